@@ -1,0 +1,25 @@
+"""Shared test set-up: the Triton interpreter on CPU machines, and the gpu marker."""
+
+import os
+
+import pytest
+import torch
+
+# Decorated Triton functions become interpreted ones only if this is set before they are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """Run the public kernel functions on their torch references (the CPU path users get)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
