@@ -1,0 +1,3 @@
+from qlora_cli.cli import main
+
+main()

@@ -1,0 +1,329 @@
+"""The training config: flat YAML with Axolotl's key names, checked into a typed TrainConfig.
+
+Every key has a type, a default and a range, declared once on the dataclass field; the checker
+reads those declarations, so an error always names the key and what was expected, and an unknown
+key names the closest known one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from qlora_cli.errors import QLoraError
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
+    """Field metadata: the allowed numeric interval, shown in errors."""
+    return {"range": (lo, hi, lo_open, hi_open)}
+
+
+@dataclass
+class DatasetConfig:
+    path: str
+    type: Literal["alpaca", "chat_template", "completion", "text"] = "alpaca"
+    split: str = "train"
+    revision: str | None = None
+    field_messages: str = "messages"
+    message_field_role: str = "role"
+    message_field_content: str = "content"
+    roles_to_train: list[str] = field(default_factory=lambda: ["assistant"])
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    field_prompt: str = "prompt"
+    field_completion: str = "completion"
+    field_text: str = "text"
+    train_on_eos: bool = True
+
+
+@dataclass
+class TrainConfig:
+    base_model: str
+    datasets: list[DatasetConfig]
+    revision: str | None = None
+    load_in_4bit: bool = True
+    adapter: Literal["qlora", "lora"] = "qlora"
+    lora_r: int = field(default=16, metadata=_range(1, 4096))
+    lora_alpha: float = field(default=32.0, metadata=_range(0, None, lo_open=True))
+    lora_dropout: float = field(default=0.0, metadata=_range(0, 1, hi_open=True))
+    lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    lora_target_linear: bool = False
+    peft_use_rslora: bool = False
+    train_norms: bool = False
+    sequence_len: int = field(default=2048, metadata=_range(8, 1 << 20))
+    sample_packing: bool = False
+    micro_batch_size: int = field(default=1, metadata=_range(1, 65536))
+    gradient_accumulation_steps: int = field(default=1, metadata=_range(1, 65536))
+    num_epochs: float = field(default=1.0, metadata=_range(0, None, lo_open=True))
+    max_steps: int | None = field(default=None, metadata=_range(1, None))
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw"] = "adamw_torch"
+    learning_rate: float = field(default=2e-4, metadata=_range(0, None, lo_open=True))
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int | None = field(default=None, metadata=_range(0, None))
+    warmup_ratio: float = field(default=0.0, metadata=_range(0, 1))
+    weight_decay: float = field(default=0.0, metadata=_range(0, None))
+    adam_beta1: float = field(default=0.9, metadata=_range(0, 1, hi_open=True))
+    adam_beta2: float = field(default=0.999, metadata=_range(0, 1, hi_open=True))
+    adam_epsilon: float = field(default=1e-8, metadata=_range(0, None, lo_open=True))
+    max_grad_norm: float = field(default=1.0, metadata=_range(0, None))
+    val_set_size: float = field(default=0.0, metadata=_range(0, None))
+    eval_steps: int | None = field(default=None, metadata=_range(1, None))
+    output_dir: str = "./outputs/qlora"
+    save_steps: int | None = field(default=None, metadata=_range(1, None))
+    save_total_limit: int | None = field(default=None, metadata=_range(1, None))
+    logging_steps: int = field(default=1, metadata=_range(1, None))
+    seed: int = 42
+    bf16: bool | Literal["auto"] = "auto"
+    gradient_checkpointing: bool | Literal["auto"] = True
+    memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
+    attention: Literal["triton", "sdpa"] = "sdpa"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @property
+    def target_modules(self) -> list[str]:
+        return list(ALL_PROJECTIONS) if self.lora_target_linear else list(self.lora_target_modules)
+
+    @property
+    def quantize(self) -> bool:
+        return self.load_in_4bit
+
+
+# Axolotl keys that change nothing here: accepted with a note, so existing configs run unchanged.
+IGNORED_KEYS = {
+    "flash_attention": "qlora always uses fused attention (see the 'attention' key)",
+    "sdp_attention": "qlora always uses fused attention (see the 'attention' key)",
+    "xformers_attention": "qlora always uses fused attention (see the 'attention' key)",
+    "strict": "qlora always checks keys strictly",
+    "tf32": "qlora computes in bf16",
+    "dataset_prepared_path": "qlora tokenizes in memory",
+    "group_by_length": "qlora packs or pads per micro-batch",
+    "model_type": "the model type is read from config.json",
+    "tokenizer_type": "the tokenizer is read from the model folder",
+    "is_llama_derived_model": "the model type is read from config.json",
+    "wandb_project": "metrics go to metrics.jsonl",
+    "wandb_entity": "metrics go to metrics.jsonl",
+    "wandb_watch": "metrics go to metrics.jsonl",
+    "wandb_name": "metrics go to metrics.jsonl",
+    "wandb_log_model": "metrics go to metrics.jsonl",
+}
+
+# Axolotl keys whose meaning qlora does not implement: refused, since ignoring them would change the run.
+UNSUPPORTED_KEYS = {
+    "fp16": "qlora trains in bf16 (set bf16: true, or bf16: false for fp32)",
+    "load_in_8bit": "qlora quantizes to NF4 only (load_in_4bit)",
+    "deepspeed": "use torchrun for several GPUs",
+    "fsdp": "use torchrun for several GPUs",
+    "fsdp_config": "use torchrun for several GPUs",
+    "lora_modules_to_save": "only LoRA adapters (and norms with train_norms) are trained",
+    "train_on_inputs": "prompt tokens are always masked",
+    "special_tokens": "the tokenizer is used as the checkpoint ships it",
+    "resume_from_checkpoint": "use `qlora resume OUTPUT_DIR`",
+    "early_stopping_patience": "not implemented",
+}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}[
+        tp
+    ]
+
+
+def _float_from_text(text: str) -> Any:
+    """PyYAML reads `1e-4` (no dot) as a string; Axolotl users write it that way, so take it."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check one value against a field type; returns the value in that type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _convert(value, option, where)
+            except QLoraError:
+                continue
+        raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise QLoraError(f"config key '{where}': expected a mapping, got {value!r}")
+        return _build(tp, value, prefix=f"{where}.")
+    if tp is float and isinstance(value, str):
+        value = _float_from_text(value)
+    ok = {
+        type(None): value is None,
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _check_range(name: str, value: Any, bounds: tuple) -> None:
+    lo, hi, lo_open, hi_open = bounds
+    if value is None:
+        return
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and (value >= hi if hi_open else value > hi)
+    if too_low or too_high:
+        left = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
+        right = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
+        expected = " and ".join(p for p in (left, right) if p)
+        raise QLoraError(f"config key '{name}': expected a value {expected}, got {value!r}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            if not prefix and key in UNSUPPORTED_KEYS:
+                raise QLoraError(f"config key '{key}' is not supported: {UNSUPPORTED_KEYS[key]}")
+            if not prefix and key in IGNORED_KEYS:
+                continue
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise QLoraError(f"unknown config key '{name}'{hint}")
+        value = _convert(value, hints[key], name)
+        if "range" in fields[key].metadata:
+            _check_range(name, value, fields[key].metadata["range"])
+        values[key] = value
+    missing = [
+        f.name
+        for f in fields.values()
+        if f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise QLoraError(f"config is missing the required key '{prefix}{missing[0]}'")
+    return cls(**values)
+
+
+def _check_consistency(config: TrainConfig) -> None:
+    if not config.datasets:
+        raise QLoraError("config key 'datasets': expected at least one dataset")
+    unknown = sorted(set(config.target_modules) - set(ALL_PROJECTIONS))
+    if unknown:
+        raise QLoraError(
+            f"config key 'lora_target_modules': unknown module '{unknown[0]}' "
+            f"(expected some of {', '.join(ALL_PROJECTIONS)})"
+        )
+    if not config.target_modules:
+        raise QLoraError("config key 'lora_target_modules': expected at least one module")
+    if config.adapter == "qlora" and not config.load_in_4bit:
+        raise QLoraError("config key 'adapter': 'qlora' needs load_in_4bit: true (use adapter: lora)")
+    if config.gradient_checkpointing == "auto" and config.memory_budget_gb is None:
+        raise QLoraError("config key 'gradient_checkpointing': 'auto' needs memory_budget_gb")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`key=value` from the command line; the value is read as YAML, so `lora_r=8` is an int."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise QLoraError(f"--set expects key=value, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def apply_override(raw: dict, path: list[str], value: Any) -> None:
+    """Set a (possibly dotted, e.g. datasets.0.path) key in the raw config mapping."""
+    node: Any = raw
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise QLoraError(f"--set {'.'.join(path)}: no item {part} in '{'.'.join(path[:i])}'")
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise QLoraError(f"--set {'.'.join(path)}: '{'.'.join(path[: i + 1])}' is not a mapping")
+    last = path[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise QLoraError(f"--set {'.'.join(path)}: no item {last}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise QLoraError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise QLoraError(f"config file {path} is not a file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise QLoraError(f"config file {path}: YAML syntax error{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise QLoraError(f"config file {path} is not UTF-8 text") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise QLoraError(f"config file {path}: expected a mapping of keys to values at the top level")
+    return raw
+
+
+def config_from_dict(raw: dict) -> TrainConfig:
+    config = _build(TrainConfig, raw)
+    _check_consistency(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    raw = read_yaml(Path(path))
+    for text in overrides:
+        key_path, value = parse_override(text)
+        apply_override(raw, key_path, value)
+    return config_from_dict(raw)
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False), encoding="utf-8")

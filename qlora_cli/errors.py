@@ -1,0 +1,25 @@
+"""The exceptions the CLI turns into a single line and a non-zero exit code."""
+
+
+class QLoraError(Exception):
+    """Bad input from the user: a config, a file, a model or a dataset we cannot use.
+
+    The message is the whole story (what is wrong, where, and what was expected), so the
+    CLI prints it alone, without a traceback.
+    """
+
+    exit_code = 2
+
+
+class TrainingStopped(QLoraError):
+    """The run stopped on its own data (a non-finite loss); the last good checkpoint is kept."""
+
+    exit_code = 1
+
+
+class RunInterrupted(QLoraError):
+    """SIGINT or SIGTERM: the step finished and a checkpoint was written before exiting."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.exit_code = 128 + signal_number

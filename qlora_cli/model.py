@@ -1,0 +1,274 @@
+"""The Qwen2 / Qwen2.5 / Qwen3 decoder with NF4 frozen projections and LoRA adapters.
+
+One layer: fused residual-add + RMSNorm → QKV projection (+bias, + LoRA) → QK-norm + RoPE →
+causal GQA attention → O projection → fused residual-add + RMSNorm → gate/up projection →
+SwiGLU → down projection. Every op goes through `kernels`, which picks Triton on CUDA and the
+torch reference on the CPU, so this file reads the same on both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels.attention import attention
+from kernels.cross_entropy import linear_cross_entropy
+from kernels.linear import lora_linear
+from kernels.nf4 import NF4Weight, quantize_nf4
+from kernels.rmsnorm import add_rms_norm
+from kernels.rope import apply_rope
+from kernels.swiglu import swiglu
+from qlora_cli.config import ALL_PROJECTIONS
+from qlora_cli.hub import resolve_model
+from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
+
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+PROJECTION_GROUP = {name: group for group, names in GROUPS.items() for name in names}
+
+
+def rope_inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE frequencies computed exactly as transformers does, so positions rotate identically."""
+    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64, device=device).float() / spec.head_dim
+    return 1.0 / (spec.rope_theta**exponents)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    use_rslora: bool = False
+    train_norms: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+class ProjectionGroup(nn.Module):
+    """Projections that share one input (q/k/v, gate/up, or a single one), run as one fused call.
+
+    Frozen weights are NF4 (or plain tensors when quantization is off) and live outside the
+    parameter list; LoRA A/B are the trainable fp32 master weights, named as PEFT names them.
+    """
+
+    def __init__(self, names: tuple[str, ...], shapes: dict[str, tuple[int, int]], lora: LoRAConfig | None):
+        super().__init__()
+        self.names = names
+        self.out_features = [shapes[n][0] for n in names]
+        self.weights: list[NF4Weight | torch.Tensor | None] = [None] * len(names)
+        self.biases: list[torch.Tensor | None] = [None] * len(names)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        self.scaling = lora.scaling if lora else 0.0
+        self.dropout = lora.dropout if lora else 0.0
+        for name in names:
+            if lora and name in lora.target_modules:
+                out_features, in_features = shapes[name]
+                self.lora_A[name] = nn.Parameter(torch.empty(lora.r, in_features))
+                self.lora_B[name] = nn.Parameter(torch.zeros(out_features, lora.r))
+        self.scratch: torch.Tensor | None = None
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """A as PEFT initialises it (kaiming-uniform with a=sqrt(5)), B zeros: the adapter starts as a no-op."""
+        for a in self.lora_A.values():
+            bound = 1.0 / math.sqrt(a.shape[1])
+            with torch.no_grad():
+                a.uniform_(-bound, bound, generator=generator)
+        for b in self.lora_B.values():
+            with torch.no_grad():
+                b.zero_()
+
+    def set_weight(self, name: str, weight: NF4Weight | torch.Tensor) -> None:
+        self.weights[self.names.index(name)] = weight
+
+    def set_bias(self, name: str, bias: torch.Tensor) -> None:
+        self.biases[self.names.index(name)] = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora_x = F.dropout(x, self.dropout, self.training) if self.dropout and self.training else x
+        return lora_linear(
+            x,
+            self.weights,
+            self.biases,
+            [self.lora_A.get(n) for n in self.names],
+            [self.lora_B.get(n) for n in self.names],
+            self.scaling,
+            lora_x=lora_x,
+            buffer=self.scratch,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str):
+        super().__init__()
+        self.spec = spec
+        self.attention_backend = attention_backend
+        shapes = spec.projection_shapes()
+        self.projections = nn.ModuleDict(
+            {g: ProjectionGroup(names, shapes, lora) for g, names in GROUPS.items()}
+        )
+        trainable = bool(lora and lora.train_norms)
+        h = spec.hidden_size
+        self.input_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
+        if spec.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(spec.head_dim), requires_grad=trainable)
+            self.k_norm = nn.Parameter(torch.ones(spec.head_dim), requires_grad=trainable)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, residual, position_ids, doc_ids, inv_freq):
+        spec = self.spec
+        b, s, _ = x.shape
+        h, residual = add_rms_norm(x, residual, self.input_layernorm, spec.rms_norm_eps)
+        qkv = self.projections["qkv"](h).view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
+        q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
+        q, k = apply_rope(q, k, position_ids, inv_freq, self.q_norm, self.k_norm, spec.rms_norm_eps)
+        attn = attention(q, k, v, doc_ids, backend=self.attention_backend)
+        x = self.projections["o"](attn.reshape(b, s, spec.q_size))
+        h, residual = add_rms_norm(x, residual, self.post_attention_layernorm, spec.rms_norm_eps)
+        x = self.projections["down"](swiglu(self.projections["gate_up"](h)))
+        return x, residual
+
+
+class QLoRAModel(nn.Module):
+    """The decoder with frozen (NF4) base weights and trainable LoRA adapters."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        lora: LoRAConfig | None = None,
+        *,
+        attention_backend: str = "sdpa",
+        checkpoint_layers: int = 0,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.lora = lora
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, lora, attention_backend) for _ in range(spec.num_layers)
+        )
+        trainable = bool(lora and lora.train_norms)
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size), requires_grad=trainable)
+        self.embed_tokens: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.checkpoint_layers = checkpoint_layers
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | Path,
+        *,
+        quantize: bool = True,
+        lora: LoRAConfig | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+        attention_backend: str = "sdpa",
+        checkpoint_layers: int = 0,
+        seed: int = 0,
+    ) -> QLoRAModel:
+        """Resolve, stream and (on the target device) quantize a checkpoint, one tensor at a time.
+
+        dtype is the compute dtype: bf16 on CUDA and fp32 on the CPU unless given.
+        """
+        folder = resolve_model(str(path_or_repo_id), revision)
+        spec = read_spec(folder)
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        with torch.device("meta"):
+            model = cls(spec, lora, attention_backend=attention_backend, checkpoint_layers=checkpoint_layers)
+        model.to_empty(device=device)
+        model.inv_freq = rope_inv_freq(spec, device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for layer in model.layers:
+            for group in layer.projections.values():
+                group.reset_lora(generator)
+        model.load_base(stream_tensors(folder, spec), quantize=quantize, dtype=dtype)
+        model.source = folder
+        return model
+
+    def load_base(self, tensors, *, quantize: bool, dtype: torch.dtype) -> None:
+        """Take the frozen weights from a (name, tensor) stream; projections are quantized on arrival."""
+        device = self.norm.device
+        for name, tensor in tensors:
+            tensor = tensor.to(device)
+            parts = name.split(".")
+            if name == "model.embed_tokens.weight":
+                self.embed_tokens = tensor.to(dtype)
+            elif name == "lm_head.weight":
+                self.lm_head = tensor.to(dtype)
+            elif name == "model.norm.weight":
+                with torch.no_grad():
+                    self.norm.copy_(tensor.float())
+            elif parts[3] in ("input_layernorm", "post_attention_layernorm"):
+                with torch.no_grad():
+                    getattr(self.layers[int(parts[2])], parts[3]).copy_(tensor.float())
+            elif parts[4] in ("q_norm", "k_norm"):
+                with torch.no_grad():
+                    getattr(self.layers[int(parts[2])], parts[4]).copy_(tensor.float())
+            else:
+                group = self.layers[int(parts[2])].projections[PROJECTION_GROUP[parts[4]]]
+                if parts[-1] == "bias":
+                    group.set_bias(parts[4], tensor.to(dtype))
+                else:
+                    weight = tensor.to(dtype)
+                    group.set_weight(parts[4], quantize_nf4(weight) if quantize else weight)
+        if self.spec.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        self._share_scratch(device, dtype, quantize)
+
+    def _share_scratch(self, device: torch.device, dtype: torch.dtype, quantize: bool) -> None:
+        """One dequantization buffer for all layers: they run one at a time."""
+        if not quantize:
+            return
+        largest = max(out * inp for out, inp in self.spec.projection_shapes().values())
+        scratch = torch.empty(largest, dtype=dtype, device=device)
+        for layer in self.layers:
+            for group in layer.projections.values():
+                group.scratch = scratch
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def hidden_states(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:
+        """Final-normed hidden states [batch, seq, hidden]."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
+                x, residual = checkpoint(
+                    layer, x, residual, position_ids, doc_ids, self.inv_freq, use_reentrant=False
+                )
+            else:
+                x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)
+        h, _ = add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+        return h
+
+    def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; training uses `loss`, which never builds them."""
+        h = self.hidden_states(input_ids, position_ids, doc_ids)
+        return (h @ self.lm_head.to(h.dtype).T).float()
+
+    def loss(self, input_ids, labels, position_ids=None, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token losses, count of trained tokens); labels are already shifted."""
+        h = self.hidden_states(input_ids, position_ids, doc_ids)
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head, labels.reshape(-1))

@@ -1,0 +1,400 @@
+"""The training loop: accumulate, clip, schedule, evaluate, log, checkpoint, and stop cleanly.
+
+Everything a step depends on is a pure function of the step number (the learning rate, which
+micro-batches it reads) or lives in a checkpoint (weights, optimizer moments, RNG states), which
+is what makes `qlora resume` continue bit for bit where the run stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from qlora_cli.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config, save_checkpoint
+from qlora_cli.config import TrainConfig, apply_override, config_from_dict, config_to_dict, parse_override
+from qlora_cli.data import BatchPlan, load_examples, split_validation
+from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
+from qlora_cli.hub import resolve_dataset, resolve_model
+from qlora_cli.memory import layers_to_checkpoint
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.progress import MetricsLog, TrainProgress, memory_gib
+from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.weights import read_spec
+
+# Keys that fix the shape or meaning of the trained weights: a checkpoint cannot continue under others.
+BREAKING_KEYS = (
+    "base_model",
+    "revision",
+    "load_in_4bit",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_target_linear",
+    "peft_use_rslora",
+    "train_norms",
+)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    step: int
+    loss: float | None
+    checkpoint: Path | None
+
+
+def select_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QLoraError("config key 'device' is 'cuda' but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    if config.bf16 is True or (config.bf16 == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warmup, then the schedule."""
+    warmup = (
+        config.warmup_steps
+        if config.warmup_steps is not None
+        else math.ceil(config.warmup_ratio * total_steps)
+    )
+    if step < warmup:
+        return config.learning_rate * (step + 1) / (warmup + 1)
+    if config.lr_scheduler == "constant":
+        return config.learning_rate
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    if config.lr_scheduler == "linear":
+        return config.learning_rate * max(0.0, 1.0 - progress)
+    return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _local_dataset(dataset):
+    """A dataset path that is not on disk is a hub dataset repo id."""
+    if Path(dataset.path).exists():
+        return dataset
+    folder = resolve_dataset(dataset.path, dataset.revision)
+    return dataclasses.replace(dataset, path=str(folder))
+
+
+@dataclass
+class Run:
+    """What a training run is made of, built once from a config."""
+
+    config: TrainConfig
+    device: torch.device
+    model: QLoRAModel
+    optimizer: torch.optim.Optimizer
+    train_plan: BatchPlan
+    eval_plan: BatchPlan | None
+    total_steps: int
+    notes: list[str]
+
+
+def _check_output_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise QLoraError(f"output_dir {path} exists and is not a folder")
+
+
+def build_run(config: TrainConfig) -> Run:
+    output_dir = Path(config.output_dir)
+    _check_output_dir(output_dir)
+    device = select_device(config.device)
+    dtype = compute_dtype(config, device)
+    folder = resolve_model(config.base_model, config.revision)
+    spec = read_spec(folder)
+    if config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+        )
+    tokenizer = ChatTokenizer.from_folder(folder)
+    notes: list[str] = []
+    examples = []
+    for dataset in config.datasets:
+        loaded = load_examples(_local_dataset(dataset), tokenizer, config.sequence_len)
+        examples.extend(loaded.examples)
+        if loaded.truncated:
+            notes.append(f"{dataset.path}: {loaded.truncated} examples truncated to sequence_len")
+        if loaded.dropped:
+            notes.append(f"{dataset.path}: {loaded.dropped} examples dropped (no trained token left)")
+    train_examples, eval_examples = split_validation(examples, config.val_set_size, config.seed)
+    if not train_examples:
+        raise QLoraError("no training examples are left after the validation split")
+    plan_args = dict(
+        micro_batch_size=config.micro_batch_size,
+        sequence_len=config.sequence_len,
+        sample_packing=config.sample_packing,
+        seed=config.seed,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    train_plan = BatchPlan(train_examples, **plan_args)
+    eval_plan = BatchPlan(eval_examples, **plan_args) if eval_examples else None
+    batches_per_step = train_plan.num_batches / config.gradient_accumulation_steps
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
+    lora = LoRAConfig(
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.target_modules),
+        use_rslora=config.peft_use_rslora,
+        train_norms=config.train_norms,
+    )
+    tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
+    checkpointed = layers_to_checkpoint(
+        config.gradient_checkpointing, spec, tokens_per_micro_batch, config.memory_budget_gb, config.lora_r
+    )
+    model = QLoRAModel.from_pretrained(
+        folder,
+        quantize=config.quantize,
+        lora=lora,
+        device=device,
+        dtype=dtype,
+        attention_backend=config.attention,
+        checkpoint_layers=checkpointed,
+        seed=config.seed,
+    )
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.trainable_parameters(),
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+        fused=device.type == "cuda",
+    )
+    return Run(config, device, model, optimizer, train_plan, eval_plan, total_steps, notes)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves, and exits non-zero."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+def evaluate(run: Run) -> tuple[float, float]:
+    """Mean token loss and perplexity over the whole validation set."""
+    model, plan = run.model, run.eval_plan
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    count = 0
+    with torch.no_grad():
+        for index in range(plan.num_batches):
+            batch = plan.batch(0, index).to(run.device)
+            total, n = model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
+            loss_sum += total.double().cpu()
+            count += int(n)
+    model.train()
+    loss = float(loss_sum) / max(1, count)
+    return loss, math.exp(min(loss, 50.0))
+
+
+def _train_step(run: Run, step: int) -> tuple[float, int, int]:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches.
+
+    The loss is normalised by the trained tokens of the whole accumulated batch, so accumulation
+    gives the same update as one large batch. Returns (summed loss, trained tokens, input tokens).
+    """
+    config, plan = run.config, run.train_plan
+    accumulation = config.gradient_accumulation_steps
+    first = step * accumulation
+    batches = [plan.batch(*divmod(first + i, plan.num_batches)) for i in range(accumulation)]
+    trained = sum(b.n_tokens for b in batches)
+    loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
+    for batch in batches:
+        batch = batch.to(run.device)
+        loss_sum, _ = run.model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
+        (loss_sum / max(1, trained)).backward()
+        loss_total += loss_sum.detach()
+    return float(loss_total), trained, sum(b.input_ids.numel() for b in batches)
+
+
+def _optimizer_step(run: Run, step: int) -> float:
+    params = run.model.trainable_parameters()
+    if run.config.max_grad_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, run.config.max_grad_norm))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    lr = learning_rate(run.config, step, run.total_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _save(run: Run, step: int, metrics: list[dict]) -> Path:
+    plan = run.train_plan
+    epoch, index = divmod(step * run.config.gradient_accumulation_steps, plan.num_batches)
+    state = {
+        "step": step,
+        "total_steps": run.total_steps,
+        "epoch": epoch,
+        "batch_index": index,
+        "rng": _rng_state(run.device),
+        "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
+        "metrics": metrics[-100:],
+    }
+    return save_checkpoint(Path(run.config.output_dir), step, run.model, run.optimizer, state, run.config)
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume_from: Path | None = None,
+    console: Console | None = None,
+) -> TrainResult:
+    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint."""
+    console = console or Console(stderr=True)
+    run = build_run(config)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    start, metrics = 0, []
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, run.model, run.optimizer)
+        start, metrics = state["step"], list(state.get("metrics", []))
+        _set_rng_state(state["rng"], run.device)
+        console.print(f"resuming from {resume_from} at step {start}")
+    else:
+        torch.manual_seed(config.seed)
+    for note in run.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
+    console.print(
+        f"{run.model.spec.model_type} · {run.model.spec.num_layers} layers · "
+        f"{'NF4' if config.quantize else 'unquantized'} base · {n_trainable:,} trainable parameters · "
+        f"{run.train_plan.num_batches} micro-batches per epoch · {run.total_steps} steps on {run.device}"
+    )
+    log = MetricsLog(output_dir / "metrics.jsonl", start if resume_from is not None else None)
+    last_checkpoint = resume_from
+    loss = None
+    window_loss, window_tokens, window_inputs, window_start = 0.0, 0, 0, time.perf_counter()
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    with StopSignals() as signals, TrainProgress(console, run.total_steps, start) as progress:
+        for step in range(start, run.total_steps):
+            loss_sum, trained, inputs = _train_step(run, step)
+            if not math.isfinite(loss_sum):
+                kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
+                raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+            grad_norm = _optimizer_step(run, step)
+            done = step + 1
+            window_loss += loss_sum
+            window_tokens += trained
+            window_inputs += inputs
+            loss = loss_sum / max(1, trained)
+            record = None
+            if done % config.logging_steps == 0 or done == run.total_steps:
+                elapsed = max(1e-9, time.perf_counter() - window_start)
+                record = {
+                    "step": done,
+                    "loss": window_loss / max(1, window_tokens),
+                    "lr": learning_rate(config, step, run.total_steps),
+                    "grad_norm": grad_norm,
+                    "epoch": round(done * config.gradient_accumulation_steps / run.train_plan.num_batches, 4),
+                    "trained_tokens": window_tokens,
+                    "tokens_per_s": window_inputs / elapsed,
+                    "memory_gib": memory_gib(run.device),
+                }
+                window_loss, window_tokens, window_inputs, window_start = 0.0, 0, 0, time.perf_counter()
+            if run.eval_plan is not None and config.eval_steps and done % config.eval_steps == 0:
+                eval_loss, eval_ppl = evaluate(run)
+                record = record or {"step": done}
+                record.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
+            if record is not None:
+                log.write(record)
+                metrics.append(record)
+                if "loss" in record:
+                    progress.update(done, record)
+            progress.advance_to(done)
+            stopping = signals.received is not None
+            if (config.save_steps and done % config.save_steps == 0) or stopping or done == run.total_steps:
+                last_checkpoint = _save(run, done, metrics)
+            if stopping:
+                name = signal.Signals(signals.received).name
+                raise RunInterrupted(
+                    f"{name} received: stopped after step {done}, checkpoint saved in {last_checkpoint}; "
+                    f"continue with `qlora resume {output_dir}`",
+                    signals.received,
+                )
+    if last_checkpoint is not None:
+        _write_final_adapter(run, last_checkpoint)
+    return TrainResult(output_dir, run.total_steps, loss, last_checkpoint)
+
+
+def _write_final_adapter(run: Run, checkpoint: Path) -> None:
+    """The last checkpoint's adapter files, also at the top of output_dir where users look first."""
+    output_dir = Path(run.config.output_dir)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        target = output_dir / name
+        temp = output_dir / f".{name}.tmp"
+        temp.write_bytes((checkpoint / name).read_bytes())
+        temp.replace(target)
+
+
+def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None) -> TrainResult:
+    """Continue a run from its newest complete checkpoint (or the one given)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise QLoraError(f"{output_dir} is not a folder with checkpoints")
+    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(output_dir)
+    if checkpoint is None:
+        raise QLoraError(f"{output_dir} has no complete checkpoint to resume from")
+    if not checkpoint.is_dir():
+        raise QLoraError(f"checkpoint {checkpoint} does not exist")
+    saved = read_checkpoint_config(checkpoint)
+    raw = config_to_dict(saved)
+    for text in overrides:
+        apply_override(raw, *parse_override(text))
+    config = config_from_dict(raw)
+    for key in BREAKING_KEYS:
+        if getattr(config, key) != getattr(saved, key):
+            raise QLoraError(
+                f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
+                f"{getattr(config, key)!r}, which changes the trained weights"
+            )
+    if Path(config.output_dir).resolve() != output_dir.resolve():
+        config = dataclasses.replace(config, output_dir=str(output_dir))
+    return train(config, resume_from=checkpoint, console=console)

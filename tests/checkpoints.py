@@ -1,0 +1,86 @@
+"""Tiny random Qwen2 / Qwen3 checkpoints written by transformers itself, for tests to load."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "tiny-qwen3"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random (biases and norms too), so no code path hides behind zeros or ones."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.08 * noise)
+
+
+def write_qwen2(folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Qwen2: q/k/v bias, tied embeddings, GQA (4 query heads on 2 kv heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    settings.update(overrides)
+    return _save(Qwen2ForCausalLM(Qwen2Config(**settings)), folder, seed, dtype)
+
+
+def write_qwen3(folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Qwen3: QK-norm, untied lm_head, head_dim (24) unlike hidden / heads (16), no q/k/v bias."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return _save(Qwen3ForCausalLM(Qwen3Config(**settings)), folder, seed, dtype)
+
+
+def _save(model, folder: Path, seed: int, dtype) -> Path:
+    _randomize(model, seed)
+    model = model.to(dtype)
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def add_demo_tokenizer(folder: Path) -> Path:
+    """The demo's tokenizer, so a tiny checkpoint can train on the demo's data."""
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_TOKENIZER / name, Path(folder) / name)
+    return folder
+
+
+def load_transformers(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()

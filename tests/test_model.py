@@ -1,0 +1,83 @@
+"""The decoder against transformers' own Qwen2 and Qwen3 on the same random checkpoints."""
+
+import pytest
+import torch
+from checkpoints import load_transformers, write_qwen2, write_qwen3
+
+from kernels.nf4 import dequantize_nf4, quantize_nf4
+from qlora_cli.model import LoRAConfig, QLoRAModel
+
+WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def checkpoint(request, tmp_path_factory):
+    return request.param, WRITERS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def _tokens(vocab: int, batch: int = 2, seq: int = 19) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_match_transformers(checkpoint, reference_ops):
+    kind, folder = checkpoint
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    theirs = load_transformers(folder)
+    ids = _tokens(ours.spec.vocab_size)
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours(ids)
+    assert got.shape == expected.shape == (2, 19, ours.spec.vocab_size)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_logits_match_transformers_through_triton_interpreter(checkpoint):
+    """The same check with every op on its Triton kernel (interpreted on the CPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU tests")
+    kind, folder = checkpoint
+    ours = QLoRAModel.from_pretrained(folder, quantize=False, attention_backend="triton").eval()
+    theirs = load_transformers(folder)
+    ids = _tokens(ours.spec.vocab_size, batch=1, seq=16)
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours(ids)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_lora_b_zero_leaves_logits_unchanged(checkpoint, reference_ops):
+    kind, folder = checkpoint
+    plain = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    adapted = QLoRAModel.from_pretrained(folder, quantize=False, lora=LoRAConfig(r=4)).eval()
+    ids = _tokens(plain.spec.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(plain(ids), adapted(ids))
+
+
+def test_nf4_model_uses_dequantized_weights(checkpoint, reference_ops):
+    """Quantized: each projection holds NF4 codes whose dequantization is the NF4 round trip."""
+    kind, folder = checkpoint
+    full = QLoRAModel.from_pretrained(folder, quantize=False)
+    nf4 = QLoRAModel.from_pretrained(folder, quantize=True)
+    for group_full, group_nf4 in zip(full.layers[1].projections.values(), nf4.layers[1].projections.values()):
+        for weight, quantized in zip(group_full.weights, group_nf4.weights):
+            assert torch.equal(dequantize_nf4(quantized), dequantize_nf4(quantize_nf4(weight)))
+    ids = _tokens(full.spec.vocab_size)
+    with torch.no_grad():
+        difference = (full.eval()(ids) - nf4.eval()(ids)).abs().max().item()
+    assert 0 < difference < 1.0
+
+
+def test_lora_gradients_reach_every_target(checkpoint, reference_ops):
+    kind, folder = checkpoint
+    model = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4, train_norms=True))
+    for group in (g for layer in model.layers for g in layer.projections.values()):
+        for b in group.lora_B.values():
+            torch.nn.init.normal_(b, std=0.02)
+    ids = _tokens(model.spec.vocab_size)
+    loss_sum, count = model.loss(ids, ids.roll(-1, dims=1))
+    loss_sum.backward()
+    assert int(count) == ids.numel()
+    params = model.trainable_parameters()
+    assert len(params) == model.spec.num_layers * (14 + 2 + (2 if model.spec.qk_norm else 0)) + 1
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
