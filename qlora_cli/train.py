@@ -126,7 +126,7 @@ def build_run(config: TrainConfig) -> Run:
     examples = []
     for dataset in config.datasets:
         loaded = load_examples(_local_dataset(dataset), tokenizer, config.sequence_len)
-        examples.extend(loaded.examples)
+        examples.extend(loaded)
         if loaded.truncated:
             notes.append(f"{dataset.path}: {loaded.truncated} examples truncated to sequence_len")
         if loaded.dropped:

@@ -23,7 +23,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.08 * noise)
 
 
-def write_qwen2(folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+def write_qwen2(
+    folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides
+) -> Path:
     """Qwen2: q/k/v bias, tied embeddings, GQA (4 query heads on 2 kv heads)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -43,7 +45,9 @@ def write_qwen2(folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=tor
     return _save(Qwen2ForCausalLM(Qwen2Config(**settings)), folder, seed, dtype)
 
 
-def write_qwen3(folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+def write_qwen3(
+    folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides
+) -> Path:
     """Qwen3: QK-norm, untied lm_head, head_dim (24) unlike hidden / heads (16), no q/k/v bias."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

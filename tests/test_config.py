@@ -32,7 +32,10 @@ def test_defaults_follow_the_qlora_paper():
         ({"lora_r": 8.5}, "config key 'lora_r': expected an integer"),
         ({"lora_dropout": 1.0}, "config key 'lora_dropout': expected a value >= 0 and < 1"),
         ({"sample_packing": "yes"}, "config key 'sample_packing': expected true or false"),
-        ({"lr_scheduler": "step"}, "config key 'lr_scheduler': expected one of 'cosine', 'linear', 'constant'"),
+        (
+            {"lr_scheduler": "step"},
+            "config key 'lr_scheduler': expected one of 'cosine', 'linear', 'constant'",
+        ),
         ({"lora_target_modules": ["q_proj", "qkv"]}, "unknown module 'qkv'"),
         ({"datasets": []}, "expected at least one dataset"),
         ({"datasets": [{"path": "a.jsonl", "tpye": "alpaca"}]}, "did you mean 'datasets[0].type'?"),
@@ -82,7 +85,12 @@ def test_set_overrides_keys_with_yaml_values(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("base_model: x\ndatasets:\n  - path: a.jsonl\n    type: alpaca\n")
     config = load_config(path, ["lora_r=8", "sample_packing=true", "datasets.0.path=b.jsonl", "max_steps=3"])
-    assert (config.lora_r, config.sample_packing, config.datasets[0].path, config.max_steps) == (8, True, "b.jsonl", 3)
+    assert (config.lora_r, config.sample_packing, config.datasets[0].path, config.max_steps) == (
+        8,
+        True,
+        "b.jsonl",
+        3,
+    )
     with pytest.raises(QLoraError, match="expects key=value"):
         load_config(path, ["lora_r"])
     with pytest.raises(QLoraError, match="no item 3"):

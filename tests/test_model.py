@@ -59,8 +59,9 @@ def test_nf4_model_uses_dequantized_weights(checkpoint, reference_ops):
     kind, folder = checkpoint
     full = QLoRAModel.from_pretrained(folder, quantize=False)
     nf4 = QLoRAModel.from_pretrained(folder, quantize=True)
-    for group_full, group_nf4 in zip(full.layers[1].projections.values(), nf4.layers[1].projections.values()):
-        for weight, quantized in zip(group_full.weights, group_nf4.weights):
+    pairs = zip(full.layers[1].projections.values(), nf4.layers[1].projections.values(), strict=True)
+    for group_full, group_nf4 in pairs:
+        for weight, quantized in zip(group_full.weights, group_nf4.weights, strict=True):
             assert torch.equal(dequantize_nf4(quantized), dequantize_nf4(quantize_nf4(weight)))
     ids = _tokens(full.spec.vocab_size)
     with torch.no_grad():

@@ -1,0 +1,276 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+The Triton path keeps the statistics in fp32, stores the output once in the activation dtype,
+and saves only the (summed) input and one fp32 inverse RMS per row for backward.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen2RMSNorm, op for op: the numerical truth the kernels are checked against."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x if residual is None else x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    summed_ptr,
+    rstd_ptr,
+    x_row_stride,
+    residual_row_stride,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+        # Round the sum to the residual stream's dtype first, so the norm sees what is stored.
+        summed = (x + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + row * n_cols + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd) * weight
+    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    dsummed_ptr,
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dweight_partial_ptr,
+    n_rows,
+    n_cols,
+    HAS_DSUMMED: tl.constexpr,
+    COMPUTE_DWEIGHT: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program walks a block of rows, keeping its share of dW in registers."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dweight = tl.zeros([BLOCK], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
+    for i in range(ROWS_PER_PROGRAM):
+        row = row_start + i
+        row_mask = cols < tl.where(row < n_rows, n_cols, 0)
+        offsets = row * n_cols + cols
+        dy = tl.load(dy_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+        x_hat = x * rstd
+        dy_w = dy * weight
+        dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
+        if HAS_DSUMMED:
+            dx += tl.load(dsummed_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+        if COMPUTE_DWEIGHT:
+            dweight += dy * x_hat
+    if COMPUTE_DWEIGHT:
+        tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+_MAX_HIDDEN = 65536
+
+
+def _block_and_warps(n_cols: int) -> tuple[int, int]:
+    if n_cols > _MAX_HIDDEN:
+        raise ValueError(f"rms_norm supports hidden sizes up to {_MAX_HIDDEN}, got {n_cols}")
+    block = triton.next_power_of_2(n_cols)
+    return block, min(max(block // 512, 4), 16)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., hidden] as [rows, hidden] with a unit stride along hidden."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must match x in shape and dtype")
+    if not x.is_floating_point():
+        raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
+
+
+def _rms_norm_forward(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual."""
+    _check(x, residual, weight)
+    x2d = _rows(x)
+    n_rows, n_cols = x2d.shape
+    residual2d = _rows(residual) if residual is not None else x2d
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(y) if residual is not None else x2d
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block, num_warps = _block_and_warps(n_cols)
+    _rms_norm_fwd_kernel[(n_rows,)](
+        x2d,
+        residual2d,
+        weight,
+        y,
+        summed,
+        rstd,
+        x2d.stride(0),
+        residual2d.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return y, summed, rstd
+
+
+def _backward_programs(n_rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_rows, 4)
+
+
+def _rms_norm_backward(
+    dy: torch.Tensor,
+    dsummed: torch.Tensor | None,
+    summed2d: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx (2-D, includes the gradient arriving through `summed`) and dW (None unless asked)."""
+    summed2d = summed2d.contiguous()
+    n_rows, n_cols = summed2d.shape
+    dy2d = dy.reshape(n_rows, n_cols).contiguous()
+    dsummed2d = dsummed.reshape(n_rows, n_cols).contiguous() if dsummed is not None else dy2d
+    dx = torch.empty_like(summed2d)
+    # A power of two, so the row-loop bound is a compile-time constant with few distinct values.
+    rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, _backward_programs(n_rows, dy.device)))
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dweight_partial = (
+        torch.empty((n_programs, n_cols), dtype=torch.float32, device=dy.device) if compute_dweight else rstd
+    )
+    block, num_warps = _block_and_warps(n_cols)
+    _rms_norm_bwd_kernel[(n_programs,)](
+        dy2d,
+        dsummed2d,
+        summed2d,
+        weight,
+        rstd,
+        dx,
+        dweight_partial,
+        n_rows,
+        n_cols,
+        HAS_DSUMMED=dsummed is not None,
+        COMPUTE_DWEIGHT=compute_dweight,
+        ROWS_PER_PROGRAM=rows_per_program,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else None
+    return dx, dweight
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps)
+        ctx.save_for_backward(x2d, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, weight, rstd = ctx.saved_tensors
+        dx, dweight = _rms_norm_backward(dy, None, x2d, weight, rstd, ctx.needs_input_grad[1])
+        return dx.view(dy.shape), dweight, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, summed, rstd = _rms_norm_forward(x, residual, weight, eps)
+        ctx.save_for_backward(summed, weight, rstd)
+        return y.view(x.shape), summed.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, dsummed: torch.Tensor):
+        summed, weight, rstd = ctx.saved_tensors
+        dx, dweight = _rms_norm_backward(dy, dsummed, summed, weight, rstd, ctx.needs_input_grad[2])
+        dx = dx.view(dy.shape)
+        return dx, dx, dweight, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim; dW is computed only when weight requires grad.
+
+    The Triton path returns x's dtype (the activation dtype) even when weight is wider.
+    """
+    if use_triton(x):
+        return RMSNormFunction.apply(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; the sum is the next residual."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    if use_triton(x):
+        return AddRMSNormFunction.apply(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)

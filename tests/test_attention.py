@@ -1,0 +1,161 @@
+"""Attention: Triton kernel (interpreter on CPU) and sdpa backend against the fp32 reference."""
+
+import pytest
+import torch
+
+from kernels.attention import attention, attention_reference
+
+
+def _packed_doc_ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows of several documents of random lengths, the last one standing in for padding."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=generator)[:3].add(1).sort().values.tolist()
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq_len], strict=True)]
+        rows.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
+    return torch.stack(rows)
+
+
+def _qkv_views(batch, seq_len, n_q_heads, n_kv_heads, head_dim, dtype=torch.float32, device="cpu", seed=0):
+    """q, k, v as strided slices of one fused projection output, as the model produces them."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    fused = torch.randn(batch, seq_len, width, generator=generator, device=device, dtype=dtype)
+    fused.requires_grad_(True)
+    return (fused, *_split_fused(fused, n_q_heads, n_kv_heads, head_dim))
+
+
+def _split_fused(fused, n_q_heads, n_kv_heads, head_dim):
+    q_end, k_end = n_q_heads * head_dim, (n_q_heads + n_kv_heads) * head_dim
+    q = fused[..., :q_end].unflatten(-1, (n_q_heads, head_dim))
+    k = fused[..., q_end:k_end].unflatten(-1, (n_kv_heads, head_dim))
+    v = fused[..., k_end:].unflatten(-1, (n_kv_heads, head_dim))
+    return q, k, v
+
+
+def _output_and_grads(fn, fused, q, k, v, doc_ids, dout):
+    out = fn(q, k, v, doc_ids)
+    (grad,) = torch.autograd.grad(out, fused, dout)
+    return out, grad
+
+
+CASES = [
+    # seq_len, head_dim, n_q_heads, n_kv_heads, with_docs
+    (17, 16, 2, 2, False),
+    (17, 32, 6, 2, True),
+    (40, 16, 6, 2, False),
+    (40, 32, 3, 1, True),
+    (40, 16, 2, 2, True),
+]
+
+
+@pytest.mark.parametrize(("seq_len", "head_dim", "n_q_heads", "n_kv_heads", "with_docs"), CASES)
+def test_triton_matches_reference(seq_len, head_dim, n_q_heads, n_kv_heads, with_docs):
+    fused, q, k, v = _qkv_views(2, seq_len, n_q_heads, n_kv_heads, head_dim)
+    assert not q.is_contiguous()
+    generator = torch.Generator().manual_seed(1)
+    doc_ids = _packed_doc_ids(2, seq_len, generator) if with_docs else None
+    dout = torch.randn(2, seq_len, n_q_heads, head_dim, generator=generator)
+
+    out, grad = _output_and_grads(attention, fused, q, k, v, doc_ids, dout)
+    ref_out, ref_grad = _output_and_grads(attention_reference, fused, q, k, v, doc_ids, dout)
+
+    assert out.shape == (2, seq_len, n_q_heads, head_dim) and out.is_contiguous()
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    # The fused gradient holds dq, dk and dv side by side.
+    torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_sdpa_backend_matches_reference(with_docs):
+    fused, q, k, v = _qkv_views(2, 40, 6, 2, 16)
+    generator = torch.Generator().manual_seed(2)
+    doc_ids = _packed_doc_ids(2, 40, generator) if with_docs else None
+    dout = torch.randn(2, 40, 6, 16, generator=generator)
+
+    def sdpa(q, k, v, doc_ids):
+        return attention(q, k, v, doc_ids, backend="sdpa")
+
+    out, grad = _output_and_grads(sdpa, fused, q, k, v, doc_ids, dout)
+    ref_out, ref_grad = _output_and_grads(attention_reference, fused, q, k, v, doc_ids, dout)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_documents_are_isolated():
+    """Changing one document's keys and values leaves every other document's output unchanged."""
+    _, q, k, v = _qkv_views(1, 24, 2, 1, 16)
+    q, k, v = q.detach(), k.detach().clone(), v.detach().clone()
+    doc_ids = torch.tensor([[0] * 7 + [1] * 11 + [2] * 6])
+    out = attention(q, k, v, doc_ids)
+    k[:, 7:18] += 1.0
+    v[:, 7:18] -= 2.0
+    changed = attention(q, k, v, doc_ids)
+    torch.testing.assert_close(changed[:, :7], out[:, :7])
+    torch.testing.assert_close(changed[:, 18:], out[:, 18:])
+    assert not torch.allclose(changed[:, 7:18], out[:, 7:18])
+
+
+def test_reference_path_outside_interpreter(reference_ops):
+    _, q, k, v = _qkv_views(1, 9, 4, 2, 16)
+    torch.testing.assert_close(attention(q, k, v, scale=0.3), attention_reference(q, k, v, scale=0.3))
+
+
+def test_rejects_mismatched_heads():
+    q = torch.randn(1, 8, 5, 16)
+    k = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(q, k, k)
+    with pytest.raises(ValueError, match="backend"):
+        attention(q, q, q, backend="flash")
+
+
+QWEN_7B_HEADS = {"n_q_heads": 28, "n_kv_heads": 4, "head_dim": 128}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "seq_len"), [(1, 4096), (2, 2048)])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_triton_bf16_qwen_7b_shapes(batch, seq_len, with_docs):
+    """bf16 kernel against fp32 sdpa. Tolerance: output within 2e-2 absolute, gradients within
+    3% of their largest entry, and never more than twice the error bf16 sdpa itself makes."""
+    fused, q, k, v = _qkv_views(batch, seq_len, **QWEN_7B_HEADS, dtype=torch.bfloat16, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    doc_ids = _packed_doc_ids(batch, seq_len, torch.Generator().manual_seed(3)).cuda() if with_docs else None
+    dout = torch.randn(q.shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    def sdpa(q, k, v, doc_ids):
+        return attention(q, k, v, doc_ids, backend="sdpa")
+
+    out, grad = _output_and_grads(attention, fused, q, k, v, doc_ids, dout)
+    bf16_out, bf16_grad = _output_and_grads(sdpa, fused, q, k, v, doc_ids, dout)
+    fused32 = fused.detach().float().requires_grad_(True)
+    q32, k32, v32 = _split_fused(fused32, **QWEN_7B_HEADS)
+    ref_out, ref_grad = _output_and_grads(sdpa, fused32, q32, k32, v32, doc_ids, dout.float())
+
+    out_err = (out.float() - ref_out).abs().max().item()
+    sdpa_out_err = (bf16_out.float() - ref_out).abs().max().item()
+    assert out_err < 2e-2 and out_err <= 2 * sdpa_out_err + 1e-3, (out_err, sdpa_out_err)
+    grad_err = (grad.float() - ref_grad).abs().max().item()
+    sdpa_grad_err = (bf16_grad.float() - ref_grad).abs().max().item()
+    grad_scale = ref_grad.abs().max().item()
+    assert grad_err < 3e-2 * grad_scale and grad_err <= 2 * sdpa_grad_err + 1e-3, (
+        grad_err,
+        sdpa_grad_err,
+        grad_scale,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_triton_fp32_gpu_tiles(with_docs):
+    """The GPU tile sizes on a sequence that ends mid-tile; fp32 keeps the tolerance tight."""
+    fused, q, k, v = _qkv_views(2, 1000, **QWEN_7B_HEADS, device="cuda")
+    generator = torch.Generator().manual_seed(4)
+    doc_ids = _packed_doc_ids(2, 1000, generator).cuda() if with_docs else None
+    dout = torch.randn(q.shape, generator=generator).cuda()
+
+    out, grad = _output_and_grads(attention, fused, q, k, v, doc_ids, dout)
+    ref_out, ref_grad = _output_and_grads(attention_reference, fused, q, k, v, doc_ids, dout)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)

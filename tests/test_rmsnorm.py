@@ -1,0 +1,168 @@
+"""RMSNorm and fused residual-add + RMSNorm: Triton path (interpreter on CPU) against the reference."""
+
+import pytest
+import torch
+
+from kernels.rmsnorm import (
+    AddRMSNormFunction,
+    RMSNormFunction,
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+
+EPS = 1e-6
+
+
+def _activations(layout: str, hidden: int, generator: torch.Generator, dtype=torch.float32, device="cpu"):
+    """(leaf, input): 'strided' has non-contiguous leading dims, 'sliced' rows wider than hidden."""
+    if layout == "rows":
+        base = torch.randn(3, hidden, generator=generator, dtype=dtype, device=device)
+        return base.requires_grad_(True), base
+    if layout == "batched":
+        base = torch.randn(2, 3, hidden, generator=generator, dtype=dtype, device=device)
+        return base.requires_grad_(True), base
+    if layout == "sliced":
+        base = torch.randn(3, hidden + 8, generator=generator, dtype=dtype, device=device).requires_grad_(
+            True
+        )
+        return base, base[:, 4 : 4 + hidden]
+    base = torch.randn(3, 2, hidden, generator=generator, dtype=dtype, device=device).requires_grad_(True)
+    return base, base.transpose(0, 1)
+
+
+def _weight(hidden: int, requires_grad: bool, generator: torch.Generator, dtype=torch.float32, device="cpu"):
+    weight = 1.0 + 0.1 * torch.randn(hidden, generator=generator, dtype=dtype, device=device)
+    return weight.requires_grad_(requires_grad)
+
+
+def _outputs_and_grads(fn, leaves, out_grads):
+    outputs = fn()
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads = torch.autograd.grad(outputs, leaves, out_grads)
+    return outputs, grads
+
+
+def _assert_all_close(actual, expected, atol, rtol):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", ["rows", "batched", "strided", "sliced"])
+@pytest.mark.parametrize("hidden", [48, 72])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_rms_norm_matches_reference(layout, hidden, weight_grad):
+    generator = torch.Generator().manual_seed(0)
+    leaf, x = _activations(layout, hidden, generator)
+    weight = _weight(hidden, weight_grad, generator)
+    dy = torch.randn(x.shape, generator=generator)
+    leaves = [leaf, weight] if weight_grad else [leaf]
+
+    out, grads = _outputs_and_grads(lambda: rms_norm(x, weight, EPS), leaves, (dy,))
+    ref_out, ref_grads = _outputs_and_grads(lambda: rms_norm_reference(x, weight, EPS), leaves, (dy,))
+
+    assert out[0].grad_fn.name().startswith(RMSNormFunction.__name__)
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["rows", "batched", "strided", "sliced"])
+@pytest.mark.parametrize("hidden", [48, 72])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_add_rms_norm_matches_reference(layout, hidden, weight_grad):
+    generator = torch.Generator().manual_seed(1)
+    x_leaf, x = _activations(layout, hidden, generator)
+    residual_leaf, residual = _activations(layout, hidden, generator)
+    weight = _weight(hidden, weight_grad, generator)
+    dy = torch.randn(x.shape, generator=generator)
+    dsummed = torch.randn(x.shape, generator=generator)
+    leaves = [x_leaf, residual_leaf, weight] if weight_grad else [x_leaf, residual_leaf]
+
+    out, grads = _outputs_and_grads(lambda: add_rms_norm(x, residual, weight, EPS), leaves, (dy, dsummed))
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: add_rms_norm_reference(x, residual, weight, EPS), leaves, (dy, dsummed)
+    )
+
+    assert out[0].grad_fn.name().startswith(AddRMSNormFunction.__name__)
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_without_residual_passes_input_through():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 48, generator=generator).requires_grad_(True)
+    weight = _weight(48, True, generator)
+    dy, dsummed = torch.randn(2, 2, 3, 48, generator=generator)
+
+    out, grads = _outputs_and_grads(lambda: add_rms_norm(x, None, weight, EPS), [x, weight], (dy, dsummed))
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: add_rms_norm_reference(x, None, weight, EPS), [x, weight], (dy, dsummed)
+    )
+
+    assert out[1] is x
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_path_without_interpreter(reference_ops):
+    generator = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(2, 3, 48, generator=generator)
+    weight = _weight(48, True, generator)
+    y, summed = add_rms_norm(x, residual, weight, EPS)
+    ref_y, ref_summed = add_rms_norm_reference(x, residual, weight, EPS)
+    assert "AddRMSNorm" not in y.grad_fn.name()
+    torch.testing.assert_close(y, ref_y, atol=0, rtol=0)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+
+
+def test_reference_matches_transformers():
+    modeling_qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 72, generator=generator)
+    hf_norm = modeling_qwen2.Qwen2RMSNorm(72, eps=EPS)
+    with torch.no_grad():
+        hf_norm.weight.copy_(_weight(72, False, generator))
+        torch.testing.assert_close(rms_norm_reference(x, hf_norm.weight, EPS), hf_norm(x), atol=0, rtol=0)
+
+
+def _assert_close_to_max(actual: torch.Tensor, expected: torch.Tensor, tol: float):
+    """Max abs error within tol of the reference's largest magnitude: bf16 storage vs fp32 math."""
+    error = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert error <= tol * scale, f"max error {error:.3e} > {tol} * {scale:.3e}"
+
+
+# Qwen2.5-7B: hidden 3584, 2 x 2048 tokens. bf16 output and gradients are within 1% of the largest
+# fp32 reference value (bf16 keeps 8 mantissa bits: 0.4% per rounding, two roundings at most).
+BF16_TOL = 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_bf16_against_fp32_reference(with_residual):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape, hidden = (2, 2048, 3584), 3584
+    x = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    residual = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    weight = _weight(hidden, True, generator, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(shape, generator=generator, device="cuda").bfloat16()
+    dsummed = torch.randn(shape, generator=generator, device="cuda").bfloat16()
+    leaves = [x, residual, weight] if with_residual else [x, weight]
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+
+    if with_residual:
+        out, grads = _outputs_and_grads(lambda: add_rms_norm(x, residual, weight, EPS), leaves, (dy, dsummed))
+        ref_out, ref_grads = _outputs_and_grads(
+            lambda: add_rms_norm_reference(*ref_leaves, EPS), ref_leaves, (dy.float(), dsummed.float())
+        )
+    else:
+        out, grads = _outputs_and_grads(lambda: rms_norm(x, weight, EPS), leaves, (dy,))
+        ref_out, ref_grads = _outputs_and_grads(
+            lambda: rms_norm_reference(*ref_leaves, EPS), ref_leaves, (dy.float(),)
+        )
+
+    for actual, expected in zip([*out, *grads], [*ref_out, *ref_grads], strict=True):
+        assert actual.dtype == torch.bfloat16
+        _assert_close_to_max(actual, expected, BF16_TOL)
