@@ -7,10 +7,13 @@ One call computes, for P projections side by side (P=3 fused QKV, P=2 gate/up, P
 The frozen weights are dequantized into a scratch buffer shared across layers and multiplied by
 cuBLAS. The LoRA branch first runs one rank-r GEMM for all projections, t = lora_x @ A_cat^T, and
 then joins the base GEMM in whichever way moves fewer bytes:
-  - folded (in < sum(out), e.g. gate/up): the scratch matrix gets B_p as extra columns and the
-    input gets scaling * t, so one GEMM over K = in + ranks yields everything; costs a copy of x.
-  - added (otherwise, e.g. down): scaling * t_p @ B_p^T is added into y's columns in place;
-    costs a read and write of y.
+  - folded (sum(out) >= 2 in, e.g. gate/up): the scratch matrix gets B_p as extra columns and
+    the input gets scaling * t, so one GEMM over K = in + ranks yields everything; costs a copy
+    of x.
+  - added (otherwise, e.g. qkv, o, down): scaling * t_p @ B_p^T is added into y's columns in
+    place; costs a read and write of y.
+On an H200 at 8192 tokens of Qwen2.5-7B, folding took gate/up from 3.73 to 3.49 ms forward; for
+qkv, where x and y are about the same size, adding was the faster one.
 Backward re-dequantizes W instead of keeping it and goes through the small rank first, so
 nothing of size out x in outlives a call. The only Triton kernel on this path is the NF4
 dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so this module has none of its own.
@@ -43,8 +46,8 @@ def _total_rank(lora_a: Sequence[torch.Tensor | None]) -> int:
 
 
 def _folds_lora(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None]) -> bool:
-    """Fold LoRA into the base GEMM when copying x is cheaper than rewriting y."""
-    return _total_rank(lora_a) > 0 and _in_features(weights[0]) < sum(_out_features(w) for w in weights)
+    """Fold LoRA into the base GEMM when copying x is clearly cheaper than rewriting y."""
+    return _total_rank(lora_a) > 0 and sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
 
 
 def buffer_numel(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None] = ()) -> int:

@@ -77,7 +77,7 @@ class TrainConfig:
     adam_beta2: float = field(default=0.999, metadata=_range(0, 1, hi_open=True))
     adam_epsilon: float = field(default=1e-8, metadata=_range(0, None, lo_open=True))
     max_grad_norm: float = field(default=1.0, metadata=_range(0, None))
-    val_set_size: float = field(default=0.0, metadata=_range(0, None))
+    val_set_size: int | float = field(default=0.0, metadata=_range(0, None))
     eval_steps: int | None = field(default=None, metadata=_range(1, None))
     output_dir: str = "./outputs/qlora"
     save_steps: int | None = field(default=None, metadata=_range(1, None))

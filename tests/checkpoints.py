@@ -88,3 +88,34 @@ def load_transformers(folder: Path):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.eval()
+
+
+DEMO_DATA = Path(__file__).resolve().parent.parent / "configs" / "demo" / "data" / "train.jsonl"
+
+
+def write_run(folder: Path, rows: int = 48, **config) -> Path:
+    """A tiny Qwen3 with the demo tokenizer, the first `rows` demo examples, and a config for them."""
+    import yaml
+
+    folder = Path(folder)
+    model = add_demo_tokenizer(write_qwen3(folder / "model", vocab_size=1024))
+    data = folder / "train.jsonl"
+    data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:rows]))
+    settings = {
+        "base_model": str(model),
+        "datasets": [{"path": str(data), "type": "chat_template"}],
+        "sequence_len": 128,
+        "micro_batch_size": 2,
+        "max_steps": 6,
+        "learning_rate": 1e-3,
+        "warmup_steps": 1,
+        "lora_r": 4,
+        "output_dir": str(folder / "out"),
+        "device": "cpu",
+        "gradient_checkpointing": False,
+        "seed": 3,
+    }
+    settings.update(config)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path

@@ -133,7 +133,7 @@ class FakeHub:
     def _find(self, match: re.Match, token: str | None) -> tuple[str, FakeRepo, str, str] | _Reply:
         """(repo id, repo, revision name, commit) or the hub's error for a hidden repo or unknown revision."""
         repo_id = unquote(match["repo"])
-        repo_type = "dataset" if match["kind"] in ("datasets", "dataset") else "model"
+        repo_type = "dataset" if match["kind"] == "datasets" else "model"
         repo = self.repos.get(repo_id)
         if repo is None or repo.repo_type != repo_type or (repo.private and token not in repo.tokens):
             # The hub hides a repo it will not show as 401 to anonymous callers, 404 to signed-in ones.

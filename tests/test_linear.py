@@ -89,7 +89,7 @@ def test_reference_uses_dequantized_weights():
 
 @pytest.mark.parametrize("name", ["qkv_nf4_bias", "gate_up_nf4_dropout"])
 def test_backward_redequantizes_into_the_shared_buffer(name):
-    """qkv folds LoRA into the base GEMM (in < sum(out)), gate/up here adds it into y."""
+    """qkv here folds LoRA into the base GEMM (sum(out) = 2 in), gate/up here adds it into y."""
     x, lora_x, weights, biases, lora_a, lora_b = _make(CASES[name])
     grad_out = torch.randn(2, 5, sum(CASES[name][1]))
     buffer = torch.empty(buffer_numel(weights, lora_a) + 10)

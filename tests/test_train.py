@@ -1,0 +1,207 @@
+"""Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import write_run
+
+from qlora_cli import checkpoint as checkpoint_module
+from qlora_cli.config import load_config
+from qlora_cli.errors import QLoraError, TrainingStopped
+from qlora_cli.train import learning_rate, resume, train
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _losses(output_dir: Path) -> list[tuple[int, float]]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def _run(tmp_path, name, *overrides, **config):
+    path = write_run(tmp_path / name, **config)
+    return train(load_config(path, overrides))
+
+
+def test_demo_loss_falls_and_files_are_written(tmp_path, monkeypatch):
+    """The shipped demo, shortened: loss falls clearly, metrics, evals, checkpoints and the adapter land."""
+    monkeypatch.chdir(ROOT)
+    overrides = [f"output_dir={tmp_path / 'demo'}", "max_steps=20", "save_steps=10", "eval_steps=10"]
+    result = train(load_config(ROOT / "configs" / "demo.yaml", overrides))
+    losses = [loss for _, loss in _losses(result.output_dir)]
+    assert len(losses) == 4
+    assert losses[-1] < 0.6 * losses[0]
+    records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(records[0])
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[1]["eval_ppl"] > 1
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (result.output_dir / name).is_file()
+    assert sorted(p.name for p in result.output_dir.glob("checkpoint-*")) == [
+        "checkpoint-10",
+        "checkpoint-20",
+    ]
+
+
+def test_accumulation_matches_one_large_batch(tmp_path):
+    """Loss normalised over the whole accumulated batch: 2 x 2 rows gives the update of 1 x 4 rows."""
+    common = dict(sample_packing=True, max_steps=4)
+    big = _run(tmp_path, "big", micro_batch_size=4, gradient_accumulation_steps=1, **common)
+    small = _run(tmp_path, "small", micro_batch_size=2, gradient_accumulation_steps=2, **common)
+    for (_, a), (_, b) in zip(_losses(big.output_dir), _losses(small.output_dir), strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_schedules():
+    config = load_config(
+        write_run(Path("/tmp") / "qlora-schedule-config"), ["warmup_steps=4", "max_steps=20"]
+    )
+    lrs = [learning_rate(config, step, 20) for step in range(20)]
+    assert lrs[0] < lrs[3] < lrs[4] == config.learning_rate
+    assert lrs[-1] < 0.05 * config.learning_rate
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_resume_is_exact(tmp_path, packing):
+    """N steps in one go equal N/2 steps, then `resume` to N: the same losses, bit for bit."""
+    common = dict(
+        sample_packing=packing,
+        gradient_accumulation_steps=2,
+        lora_dropout=0.1,
+        lr_scheduler="constant",
+        warmup_steps=0,
+    )
+    whole = _run(tmp_path, "whole", max_steps=6, **common)
+    half = _run(tmp_path, "half", max_steps=3, **common)
+    resumed = resume(half.output_dir, overrides=["max_steps=6"])
+    assert resumed.step == 6
+    assert _losses(resumed.output_dir) == _losses(whole.output_dir)
+
+
+def test_resume_refuses_a_changed_lora_shape(tmp_path):
+    result = _run(tmp_path, "run", max_steps=2)
+    with pytest.raises(QLoraError, match="'lora_r' changed from 4 to 8"):
+        resume(result.output_dir, overrides=["lora_r=8"])
+
+
+def test_resume_chooses_a_given_checkpoint(tmp_path):
+    result = _run(tmp_path, "run", max_steps=4, save_steps=2)
+    resumed = resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2")
+    assert resumed.step == 4
+    assert [s for s, _ in _losses(result.output_dir)] == [1, 2, 3, 4]
+
+
+def test_no_space_left_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    real_save = checkpoint_module.save_file
+
+    def fail_on_second_checkpoint(tensors, filename, *args, **kwargs):
+        if "-4-" in Path(filename).parent.name and Path(filename).name == "optimizer.safetensors":
+            raise OSError(28, "No space left on device")
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", fail_on_second_checkpoint)
+    with pytest.raises(
+        QLoraError, match="could not write checkpoint .*checkpoint-4: No space left on device"
+    ):
+        train(load_config(path))
+    out = tmp_path / "run" / "out"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert checkpoint_module.latest_checkpoint(out).name == "checkpoint-2"
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    path = write_run(tmp_path / "run", max_steps=8, save_steps=1, learning_rate=1e30, max_grad_norm=0)
+    with pytest.raises(
+        TrainingStopped, match=r"loss is (nan|inf) at step \d+; the run stopped; last good checkpoint"
+    ):
+        train(load_config(path))
+    assert checkpoint_module.latest_checkpoint(tmp_path / "run" / "out") is not None
+
+
+def _cli(*args, env_extra=None):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "qlora_cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_step(output_dir: Path, step: int, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = output_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(r[0] >= step for r in _losses(output_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("training did not reach the step in time")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, signum):
+    settings = dict(max_steps=40, logging_steps=1, lora_dropout=0.1, sample_packing=True)
+    whole = _run(tmp_path, "whole", **settings)
+    path = write_run(tmp_path / "stopped", **settings)
+    out = tmp_path / "stopped" / "out"
+    proc = _cli("train", str(path))
+    _wait_for_step(out, 2, proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum
+    assert f"{signal.Signals(signum).name} received" in stderr and "Traceback" not in stderr
+    stopped_at = checkpoint_module.latest_checkpoint(out)
+    assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 40
+    resumed = resume(out)
+    assert _losses(resumed.output_dir) == _losses(whole.output_dir)
+
+
+KILL_DURING_SAVE = """
+import os, sys, time
+from qlora_cli import checkpoint
+real = checkpoint.save_file
+def slow(tensors, filename, *a, **k):
+    real(tensors, filename, *a, **k)
+    if "-4-" in os.path.basename(os.path.dirname(filename)):
+        open(os.environ["QLORA_TEST_MARKER"], "w").close()
+        time.sleep(60)
+checkpoint.save_file = slow
+sys.argv = ["qlora", "train", sys.argv[1]]
+from qlora_cli.cli import main
+main()
+"""
+
+
+def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
+    path = write_run(tmp_path / "run", max_steps=6, save_steps=2)
+    out = tmp_path / "run" / "out"
+    marker = tmp_path / "saving"
+    script = tmp_path / "kill_during_save.py"
+    script.write_text(KILL_DURING_SAVE)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "QLORA_TEST_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], cwd=ROOT, env=env)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert any(p.name.startswith(".tmp-checkpoint-4") for p in out.iterdir())
+    assert checkpoint_module.latest_checkpoint(out).name == "checkpoint-2"
+    resumed = resume(out)
+    assert resumed.step == 6
+    assert not any(p.name.startswith(".tmp-checkpoint") for p in out.iterdir())
+    assert [s for s, _ in _losses(out)] == [1, 2, 3, 4, 5, 6]
