@@ -12,8 +12,8 @@ then joins the base GEMM in whichever way moves fewer bytes:
     of x.
   - added (otherwise, e.g. qkv, o, down): scaling * t_p @ B_p^T is added into y's columns in
     place; costs a read and write of y.
-On an H200 at 8192 tokens of Qwen2.5-7B, folding took gate/up from 3.73 to 3.49 ms forward; for
-qkv, where x and y are about the same size, adding was the faster one.
+On an H200 at 8192 tokens of Qwen2.5-7B, folding took gate/up from 3.72 to 3.43 ms forward; for
+qkv, where x and y are about the same size, the two were within noise of each other.
 Backward re-dequantizes W instead of keeping it and goes through the small rank first, so
 nothing of size out x in outlives a call. The only Triton kernel on this path is the NF4
 dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so this module has none of its own.
@@ -107,7 +107,8 @@ def _stacked_weight(
         buffer = torch.empty(total, dtype=dtype, device=first.device)
     if buffer.dtype != dtype or buffer.numel() < total or not buffer.is_contiguous():
         raise ValueError(
-            f"buffer must be contiguous {dtype} with at least {total} values, got {buffer.dtype} with {buffer.numel()}"
+            f"buffer must be contiguous {dtype} with at least {total} values (kernels.linear.buffer_numel), "
+            f"got {buffer.dtype} with {buffer.numel()}"
         )
     stacked = buffer.reshape(-1)[:total].view(rows, in_features + ranks)
     start = 0
