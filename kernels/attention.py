@@ -47,8 +47,10 @@ def _check_inputs(q, k, v, doc_ids):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
     if n_q_heads % k.shape[2] != 0:
         raise ValueError(f"{n_q_heads} query heads are not a multiple of {k.shape[2]} kv heads")
-    if doc_ids is not None and doc_ids.shape != (batch, seq_len):
-        raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq] = {(batch, seq_len)}")
+    if doc_ids is not None and (doc_ids.shape != (batch, seq_len) or doc_ids.is_floating_point()):
+        raise ValueError(
+            f"doc_ids must be integers shaped [batch, seq] = {(batch, seq_len)}, got {doc_ids.shape}"
+        )
 
 
 def attention_sdpa(q, k, v, doc_ids=None, scale=None):
@@ -987,6 +989,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep full precision (tf32 would cost about three digits); 16-bit ignore this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pipelined_loops() -> bool:
+    """Compiled kernels loop with `for`, which Triton software-pipelines. The interpreter (Triton 3.6
+    with NumPy 2.4) cannot take a tensor as a `range` bound, so interpreted runs loop with `while`."""
+    return not interpreting()
+
+
 def _launch_forward(q, k, v, doc_start, scale):
     """Returns the output [B, S, Hq, D] and the base-2 logsumexp [B, Hq, S] in fp32."""
     batch, seq_len, n_q_heads, head_dim = q.shape
@@ -1021,16 +1034,11 @@ def _launch_forward(q, k, v, doc_start, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_dot_precision(q.dtype),
-        PIPELINED=not interpreting(),
+        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out, lse
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs keep full precision (tf32 would cost about three digits); 16-bit ignore this."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
@@ -1092,7 +1100,7 @@ def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=precision,
-        PIPELINED=not interpreting(),
+        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -1124,7 +1132,7 @@ def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=precision,
-        PIPELINED=not interpreting(),
+        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -1153,8 +1161,10 @@ class TritonAttention(torch.autograd.Function):
 def attention(q, k, v, doc_ids=None, *, scale=None, backend="triton"):
     """Causal GQA attention; q [B, S, Hq, D], k and v [B, S, Hk, D], doc_ids [B, S] or None.
 
-    Returns [B, S, Hq, D] contiguous in q's dtype. backend "triton" is our kernel (the torch
-    reference on CPU outside the interpreter); "sdpa" is torch's scaled_dot_product_attention.
+    Query head h reads kv head h // (Hq // Hk). With doc_ids, a token sees only earlier tokens of
+    its own document; the Triton path expects each document's tokens to be contiguous in the row,
+    as packing lays them out. Returns [B, S, Hq, D] contiguous in q's dtype. backend "triton" is our
+    kernel (the torch reference on CPU outside the interpreter); "sdpa" is torch's fused attention.
     """
     _check_inputs(q, k, v, doc_ids)
     if scale is None:

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import attention
 from kernels.cross_entropy import linear_cross_entropy
-from kernels.linear import lora_linear
+from kernels.linear import buffer_numel, lora_linear
 from kernels.nf4 import NF4Weight, quantize_nf4
 from kernels.rmsnorm import add_rms_norm
 from kernels.rope import apply_rope
@@ -91,6 +91,12 @@ class ProjectionGroup(nn.Module):
             with torch.no_grad():
                 b.zero_()
 
+    def lora_a_list(self) -> list[torch.Tensor | None]:
+        return [self.lora_A.get(n) for n in self.names]
+
+    def scratch_numel(self) -> int:
+        return buffer_numel(self.weights, self.lora_a_list())
+
     def set_weight(self, name: str, weight: NF4Weight | torch.Tensor) -> None:
         self.weights[self.names.index(name)] = weight
 
@@ -103,7 +109,7 @@ class ProjectionGroup(nn.Module):
             x,
             self.weights,
             self.biases,
-            [self.lora_A.get(n) for n in self.names],
+            self.lora_a_list(),
             [self.lora_B.get(n) for n in self.names],
             self.scaling,
             lora_x=lora_x,
@@ -169,6 +175,22 @@ class QLoRAModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
     @classmethod
+    def on_device(
+        cls, spec: ModelSpec, lora: LoRAConfig | None, device, *, seed: int = 0, **options
+    ) -> QLoRAModel:
+        """Allocate the model straight on `device` (no CPU copy), LoRA initialised, base weights still empty."""
+        device = torch.device(device)
+        with torch.device("meta"):
+            model = cls(spec, lora, **options)
+        model.to_empty(device=device)
+        model.inv_freq = rope_inv_freq(spec, device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for layer in model.layers:
+            for group in layer.projections.values():
+                group.reset_lora(generator)
+        return model
+
+    @classmethod
     def from_pretrained(
         cls,
         path_or_repo_id: str | Path,
@@ -191,14 +213,14 @@ class QLoRAModel(nn.Module):
         device = torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        with torch.device("meta"):
-            model = cls(spec, lora, attention_backend=attention_backend, checkpoint_layers=checkpoint_layers)
-        model.to_empty(device=device)
-        model.inv_freq = rope_inv_freq(spec, device)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for layer in model.layers:
-            for group in layer.projections.values():
-                group.reset_lora(generator)
+        model = cls.on_device(
+            spec,
+            lora,
+            device,
+            attention_backend=attention_backend,
+            checkpoint_layers=checkpoint_layers,
+            seed=seed,
+        )
         model.load_base(stream_tensors(folder, spec), quantize=quantize, dtype=dtype)
         model.source = folder
         return model
@@ -231,17 +253,15 @@ class QLoRAModel(nn.Module):
                     group.set_weight(parts[4], quantize_nf4(weight) if quantize else weight)
         if self.spec.tie_word_embeddings:
             self.lm_head = self.embed_tokens
-        self._share_scratch(device, dtype, quantize)
+        self._share_scratch(device, dtype)
 
-    def _share_scratch(self, device: torch.device, dtype: torch.dtype, quantize: bool) -> None:
-        """One dequantization buffer for all layers: they run one at a time."""
-        if not quantize:
-            return
-        largest = max(out * inp for out, inp in self.spec.projection_shapes().values())
+    def _share_scratch(self, device: torch.device, dtype: torch.dtype) -> None:
+        """One weight buffer (dequantized or concatenated) for all layers: they run one at a time."""
+        groups = [group for layer in self.layers for group in layer.projections.values()]
+        largest = max(group.scratch_numel() for group in groups)
         scratch = torch.empty(largest, dtype=dtype, device=device)
-        for layer in self.layers:
-            for group in layer.projections.values():
-                group.scratch = scratch
+        for group in groups:
+            group.scratch = scratch
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

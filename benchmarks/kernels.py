@@ -1,0 +1,190 @@
+"""Each Triton kernel against the torch eager composition it replaces, forward + backward, at Qwen2.5-7B shapes.
+
+Usage: python -m benchmarks.kernels [--tokens 8192] [--markdown FILE]
+Prints one row per kernel: time and peak extra memory for ours and for torch, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from triton.testing import do_bench
+
+from kernels.attention import attention
+from kernels.cross_entropy import linear_cross_entropy
+from kernels.linear import lora_linear
+from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from kernels.rmsnorm import add_rms_norm
+from kernels.rope import apply_rope
+from kernels.swiglu import swiglu
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 3584, 18944, 28, 4, 128, 152064, 16
+BF16 = torch.bfloat16
+
+
+def measure(fn: Callable[[], None]) -> tuple[float, float]:
+    """Median ms of fn and the peak memory (GiB) it allocates above what was live before."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return do_bench(fn, warmup=5, rep=40), peak
+
+
+def fwd_bwd(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
+    def run():
+        for t in inputs:
+            t.grad = None
+        out = forward()
+        out.backward(torch.ones_like(out) if out.dim() else None)
+
+    return run
+
+
+def leaf(*shape, scale=1.0, dtype=BF16):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_()
+
+
+def eager_rms(x, r, w, eps=1e-6):
+    s = x + r
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(s.dtype), s
+
+
+def eager_rope(q, k, positions, inv_freq):
+    angle = positions[..., None].float() * inv_freq
+    emb = torch.cat([angle, angle], -1)
+    cos, sin = emb.cos().to(q.dtype)[:, :, None], emb.sin().to(q.dtype)[:, :, None]
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat([-x2, x1], -1)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
+    batch, seq = tokens // 2048, 2048
+    x, r = leaf(tokens, HIDDEN), leaf(tokens, HIDDEN)
+    w = torch.ones(HIDDEN, device="cuda", dtype=torch.float32)
+    q, k = leaf(batch, seq, HEADS, HEAD_DIM), leaf(batch, seq, KV_HEADS, HEAD_DIM)
+    v = leaf(batch, seq, KV_HEADS, HEAD_DIM)
+    positions = torch.arange(seq, device="cuda").expand(batch, seq)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    gate_up = leaf(tokens, 2 * INTER)
+    hidden = leaf(tokens, HIDDEN, scale=0.5)
+    lm_head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=BF16) * 0.02
+    labels = torch.randint(0, VOCAB, (tokens,), device="cuda")
+    weight = torch.randn(INTER, HIDDEN, device="cuda", dtype=BF16) * 0.02
+    nf4 = [quantize_nf4(weight), quantize_nf4(weight)]
+    lora_a = [leaf(RANK, HIDDEN, scale=0.02, dtype=torch.float32) for _ in range(2)]
+    lora_b = [leaf(INTER, RANK, scale=0.02, dtype=torch.float32) for _ in range(2)]
+    lin_x = leaf(tokens, HIDDEN)
+    scratch = torch.empty(2 * INTER * (HIDDEN + 2 * RANK), device="cuda", dtype=BF16)
+
+    def eager_lora_linear():
+        outs = []
+        for wq, a, b in zip(nf4, lora_a, lora_b, strict=True):
+            dense = dequantize_nf4(wq)
+            outs.append(F.linear(lin_x, dense) + 2.0 * (lin_x.float() @ a.T @ b.T).to(BF16))
+        return torch.cat(outs, -1)
+
+    def eager_attention():
+        kk = k.repeat_interleave(HEADS // KV_HEADS, 2).transpose(1, 2)
+        vv = v.repeat_interleave(HEADS // KV_HEADS, 2).transpose(1, 2)
+        scores = (q.transpose(1, 2) @ kk.transpose(-1, -2)).float() / HEAD_DIM**0.5
+        scores = scores.masked_fill(
+            torch.ones(seq, seq, device="cuda", dtype=torch.bool).triu(1), float("-inf")
+        )
+        return (scores.softmax(-1).to(BF16) @ vv).transpose(1, 2)
+
+    doc_ids = (torch.arange(seq, device="cuda") // 700).expand(batch, seq).to(torch.int32)
+    return {
+        "add_rms_norm": (
+            fwd_bwd(lambda: sum(t.sum() for t in add_rms_norm(x, r, w, 1e-6)), [x, r]),
+            fwd_bwd(lambda: sum(t.sum() for t in eager_rms(x, r, w)), [x, r]),
+        ),
+        "rope (q and k)": (
+            fwd_bwd(lambda: sum(t.float().sum() for t in apply_rope(q, k, positions, inv_freq)), [q, k]),
+            fwd_bwd(lambda: sum(t.float().sum() for t in eager_rope(q, k, positions, inv_freq)), [q, k]),
+        ),
+        "swiglu": (
+            fwd_bwd(lambda: swiglu(gate_up).float().sum(), [gate_up]),
+            fwd_bwd(lambda: (F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]).float().sum(), [gate_up]),
+        ),
+        "attention triton vs eager": (
+            fwd_bwd(lambda: attention(q, k, v, backend="triton").float().sum(), [q, k, v]),
+            fwd_bwd(lambda: eager_attention().float().sum(), [q, k, v]),
+        ),
+        "attention triton vs sdpa": (
+            fwd_bwd(lambda: attention(q, k, v, backend="triton").float().sum(), [q, k, v]),
+            fwd_bwd(lambda: attention(q, k, v, backend="sdpa").float().sum(), [q, k, v]),
+        ),
+        "attention packed triton vs sdpa": (
+            fwd_bwd(lambda: attention(q, k, v, doc_ids, backend="triton").float().sum(), [q, k, v]),
+            fwd_bwd(lambda: attention(q, k, v, doc_ids, backend="sdpa").float().sum(), [q, k, v]),
+        ),
+        "lm_head + cross-entropy": (
+            fwd_bwd(lambda: linear_cross_entropy(hidden, lm_head, labels)[0], [hidden]),
+            fwd_bwd(lambda: F.cross_entropy((hidden @ lm_head.T).float(), labels, reduction="sum"), [hidden]),
+        ),
+        "nf4 dequantize (gate)": (
+            lambda: dequantize_nf4(nf4[0], out=scratch),
+            lambda: dequantize_nf4_reference(nf4[0]),
+        ),
+        "nf4 gate/up + LoRA": (
+            fwd_bwd(
+                lambda: (
+                    lora_linear(lin_x, nf4, [None, None], lora_a, lora_b, 2.0, buffer=scratch).float().sum()
+                ),
+                [lin_x, *lora_a, *lora_b],
+            ),
+            fwd_bwd(lambda: eager_lora_linear().float().sum(), [lin_x, *lora_a, *lora_b]),
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--markdown", help="also write the table as Markdown here")
+    args = parser.parse_args()
+    table = Table(
+        title=f"kernels vs torch eager, fwd+bwd, {args.tokens} tokens, {torch.cuda.get_device_name()}"
+    )
+    for column in ("kernel", "ours ms", "torch ms", "speed-up", "ours GiB", "torch GiB"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    rows = []
+    for name, (ours, theirs) in cases(args.tokens).items():
+        ours_ms, ours_gib = measure(ours)
+        torch_ms, torch_gib = measure(theirs)
+        row = (
+            name,
+            f"{ours_ms:.3f}",
+            f"{torch_ms:.3f}",
+            f"{torch_ms / ours_ms:.2f}x",
+            f"{ours_gib:.2f}",
+            f"{torch_gib:.2f}",
+        )
+        rows.append(row)
+        table.add_row(*row)
+        torch.cuda.empty_cache()
+    Console().print(table)
+    if args.markdown:
+        lines = ["| " + " | ".join(c.header for c in table.columns) + " |", "|" + "---|" * len(table.columns)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A full QLoRA step at Qwen2.5-7B layer shapes on the GPU: Triton kernels against the reference ops."""
+
+import pytest
+import torch
+
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.weights import ModelSpec
+
+pytestmark = pytest.mark.gpu
+
+# Qwen2.5-7B's layer, two of them: the whole stack is the same layer 28 times.
+SPEC = ModelSpec(
+    model_type="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=2,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    qk_norm=False,
+    dtype=torch.bfloat16,
+)
+
+
+def _random_tensors(seed: int):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for name, shape in SPEC.expected_tensors().items():
+        noise = torch.randn(shape, generator=generator, device="cuda")
+        if name.endswith("norm.weight"):
+            yield name, (1.0 + 0.1 * noise).to(torch.bfloat16)
+        else:
+            yield name, (noise * (0.5 / shape[-1] ** 0.5)).to(torch.bfloat16)
+
+
+def _model(dtype: torch.dtype) -> QLoRAModel:
+    model = QLoRAModel.on_device(SPEC, LoRAConfig(r=16), "cuda", seed=1, attention_backend="triton")
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for layer in model.layers:
+        for group in layer.projections.values():
+            for b in group.lora_B.values():
+                with torch.no_grad():
+                    b.normal_(0, 0.02, generator=generator)
+    model.load_base(_random_tensors(0), quantize=True, dtype=dtype)
+    return model.train()
+
+
+def _batch(tokens: int = 2048):
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, SPEC.vocab_size, (1, tokens), generator=generator, device="cuda")
+    labels = ids.roll(-1, dims=1)
+    labels[:, : tokens // 8] = -100
+    bounds = [0, tokens // 3, tokens // 2, tokens]
+    doc_ids = torch.zeros(1, tokens, dtype=torch.int32, device="cuda")
+    positions = torch.zeros(1, tokens, dtype=torch.int64, device="cuda")
+    for doc, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        doc_ids[:, start:end] = doc
+        positions[:, start:end] = torch.arange(end - start, device="cuda")
+    return ids, labels, positions, doc_ids
+
+
+def _step(model: QLoRAModel, batch):
+    loss_sum, count = model.loss(*batch[:2], batch[2], batch[3])
+    loss = loss_sum / count
+    loss.backward()
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return float(loss), grads
+
+
+def test_full_step_matches_reference_ops(monkeypatch):
+    batch = _batch()
+    fast = _model(torch.bfloat16)
+    fast_loss, fast_grads = _step(fast, batch)
+    optimizer = torch.optim.AdamW(fast.trainable_parameters(), lr=1e-3, fused=True)
+    before = [p.detach().clone() for p in fast.trainable_parameters()]
+    optimizer.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, fast.trainable_parameters(), strict=True))
+    del fast, optimizer
+    torch.cuda.empty_cache()
+
+    monkeypatch.setenv("QLORA_KERNELS", "reference")
+    truth = _model(torch.float32)
+    truth_loss, truth_grads = _step(truth, batch)
+
+    assert abs(fast_loss - truth_loss) / truth_loss < 1e-2
+    assert fast_grads.keys() == truth_grads.keys() and len(fast_grads) == 2 * 14
+    for name, grad in truth_grads.items():
+        error = (fast_grads[name] - grad).norm() / grad.norm()
+        assert error < 5e-2, f"{name}: relative gradient error {error:.3g}"
