@@ -87,7 +87,7 @@ class TrainConfig:
     bf16: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["auto"] = True
     memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
-    attention: Literal["triton", "sdpa"] = "sdpa"
+    attention: Literal["auto", "triton", "sdpa"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @property

@@ -117,6 +117,17 @@ class ProjectionGroup(nn.Module):
         )
 
 
+def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
+    """`auto`: torch's fused attention for rows of one document, our kernel for packed rows.
+
+    benchmarks/RESULTS.md has the numbers: sdpa is faster on plain causal rows, ours on packed rows,
+    where sdpa needs a materialized mask.
+    """
+    if setting != "auto":
+        return setting
+    return "sdpa" if doc_ids is None else "triton"
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str):
         super().__init__()
@@ -143,7 +154,7 @@ class DecoderLayer(nn.Module):
         qkv = self.projections["qkv"](h).view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
         q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
         q, k = apply_rope(q, k, position_ids, inv_freq, self.q_norm, self.k_norm, spec.rms_norm_eps)
-        attn = attention(q, k, v, doc_ids, backend=self.attention_backend)
+        attn = attention(q, k, v, doc_ids, backend=choose_attention_backend(self.attention_backend, doc_ids))
         x = self.projections["o"](attn.reshape(b, s, spec.q_size))
         h, residual = add_rms_norm(x, residual, self.post_attention_layernorm, spec.rms_norm_eps)
         x = self.projections["down"](swiglu(self.projections["gate_up"](h)))
@@ -158,7 +169,7 @@ class QLoRAModel(nn.Module):
         spec: ModelSpec,
         lora: LoRAConfig | None = None,
         *,
-        attention_backend: str = "sdpa",
+        attention_backend: str = "auto",
         checkpoint_layers: int = 0,
     ):
         super().__init__()
@@ -200,7 +211,7 @@ class QLoRAModel(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         revision: str | None = None,
-        attention_backend: str = "sdpa",
+        attention_backend: str = "auto",
         checkpoint_layers: int = 0,
         seed: int = 0,
     ) -> QLoRAModel:

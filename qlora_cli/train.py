@@ -103,6 +103,10 @@ class Run:
     total_steps: int
     notes: list[str]
 
+    def packed_doc_ids(self, batch):
+        """Document ids matter only in packed rows; a padded single-document row is plain causal."""
+        return batch.doc_ids if self.config.sample_packing else None
+
 
 def _check_output_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
@@ -223,7 +227,9 @@ def evaluate(run: Run) -> tuple[float, float]:
     with torch.no_grad():
         for index in range(plan.num_batches):
             batch = plan.batch(0, index).to(run.device)
-            total, n = model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
+            total, n = model.loss(
+                batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
+            )
             loss_sum += total.double().cpu()
             count += int(n)
     model.train()
@@ -245,7 +251,9 @@ def _train_step(run: Run, step: int) -> tuple[float, int, int]:
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
     for batch in batches:
         batch = batch.to(run.device)
-        loss_sum, _ = run.model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
+        loss_sum, _ = run.model.loss(
+            batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
+        )
         (loss_sum / max(1, trained)).backward()
         loss_total += loss_sum.detach()
     return float(loss_total), trained, sum(b.input_ids.numel() for b in batches)
