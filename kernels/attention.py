@@ -239,44 +239,16 @@ def _attention_fwd_kernel(
     if HAS_DOCS:
         doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
         row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
-        # Documents are contiguous, so the block's first query has the earliest document start and
-        # its last query the latest: keys from free_lo on are in every row's document.
+        # Documents are contiguous, so the block's first query has the earliest document start.
         key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
-        last_row = tl.minimum(start_m + BLOCK_M, seq_len) - 1
-        free_lo = tl.minimum(tl.cdiv(tl.load(doc_start_row + last_row), BLOCK_N) * BLOCK_N, start_m)
     else:
         row_doc_start = offs_m
         key_lo = 0
-        free_lo = 0
 
     # A finite start keeps exp2(row_max - new_max) defined while a row has seen only masked keys.
     row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if HAS_DOCS:
-        acc, row_max, row_sum = _fwd_block_loop(
-            acc,
-            row_max,
-            row_sum,
-            q,
-            k_base,
-            v_base,
-            stride_ks,
-            stride_vs,
-            offs_m,
-            row_doc_start,
-            key_lo,
-            free_lo,
-            seq_len,
-            qk_scale_log2,
-            False,
-            True,
-            HEAD_DIM,
-            D_PAD,
-            BLOCK_N,
-            PRECISION,
-            PIPELINED,
-        )
     acc, row_max, row_sum = _fwd_block_loop(
         acc,
         row_max,
@@ -288,12 +260,12 @@ def _attention_fwd_kernel(
         stride_vs,
         offs_m,
         row_doc_start,
-        free_lo,
+        key_lo,
         start_m,
         seq_len,
         qk_scale_log2,
         False,
-        False,
+        HAS_DOCS,
         HEAD_DIM,
         D_PAD,
         BLOCK_N,
@@ -569,15 +541,12 @@ def _attention_bwd_dkdv_kernel(
     diag_lo = (start_n // BLOCK_M) * BLOCK_M
     diag_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, seq_len)
     if HAS_DOCS:
-        # The block's last key ends the latest document, so no later query can see the block; queries
-        # before the end of the first key's document see every key of the block.
-        doc_end_row = DOC_END + batch.to(tl.int64) * seq_len
-        query_hi = tl.load(doc_end_row + tl.minimum(start_n + BLOCK_N, seq_len) - 1)
-        diag_hi = tl.minimum(diag_hi, query_hi)
-        free_hi = tl.maximum((tl.load(doc_end_row + start_n) // BLOCK_M) * BLOCK_M, diag_hi)
+        # The block's last key ends the latest document, so no later query can see the block.
+        last_key = tl.minimum(start_n + BLOCK_N, seq_len) - 1
+        query_hi = tl.load(DOC_END + batch.to(tl.int64) * seq_len + last_key)
     else:
         query_hi = seq_len
-        free_hi = seq_len
+    diag_hi = tl.minimum(diag_hi, query_hi)
 
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -626,43 +595,17 @@ def _attention_bwd_dkdv_kernel(
             stride_dos,
             offs_n,
             diag_hi,
-            free_hi,
+            query_hi,
             seq_len,
             qk_scale_log2,
             False,
-            False,
+            HAS_DOCS,
             HEAD_DIM,
             D_PAD,
             BLOCK_M,
             PRECISION,
             PIPELINED,
         )
-        if HAS_DOCS:
-            dk, dv = _dkdv_block_loop(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                dout_base,
-                lse_base,
-                delta_base,
-                doc_start_base,
-                stride_qs,
-                stride_dos,
-                offs_n,
-                free_hi,
-                query_hi,
-                seq_len,
-                qk_scale_log2,
-                False,
-                True,
-                HEAD_DIM,
-                D_PAD,
-                BLOCK_M,
-                PRECISION,
-                PIPELINED,
-            )
 
     dk_base = DK + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh
     dv_base = DV + batch.to(tl.int64) * stride_dvb + kv_head * stride_dvh
@@ -860,41 +803,12 @@ def _attention_bwd_dq_kernel(
     if HAS_DOCS:
         doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
         row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
-        # Same key ranges as the forward.
         key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
-        last_row = tl.minimum(start_m + BLOCK_M, seq_len) - 1
-        free_lo = tl.minimum(tl.cdiv(tl.load(doc_start_row + last_row), BLOCK_N) * BLOCK_N, start_m)
     else:
         row_doc_start = offs_m
         key_lo = 0
-        free_lo = 0
 
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if HAS_DOCS:
-        dq = _dq_block_loop(
-            dq,
-            q,
-            dout,
-            lse,
-            delta,
-            k_base,
-            v_base,
-            stride_ks,
-            stride_vs,
-            offs_m,
-            row_doc_start,
-            key_lo,
-            free_lo,
-            seq_len,
-            qk_scale_log2,
-            False,
-            True,
-            HEAD_DIM,
-            D_PAD,
-            BLOCK_N,
-            PRECISION,
-            PIPELINED,
-        )
     dq = _dq_block_loop(
         dq,
         q,
@@ -907,12 +821,12 @@ def _attention_bwd_dq_kernel(
         stride_vs,
         offs_m,
         row_doc_start,
-        free_lo,
+        key_lo,
         start_m,
         seq_len,
         qk_scale_log2,
         False,
-        False,
+        HAS_DOCS,
         HEAD_DIM,
         D_PAD,
         BLOCK_N,

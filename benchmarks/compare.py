@@ -1,0 +1,193 @@
+"""qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels), same GPU, same run.
+
+Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
+       [--runners qlora,hf,liger] [--checkpointing true|false|auto] [--budget-gb 60]
+
+Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
+writes one), on the same random batch, in its own process so peak memory is its own. Prints tokens/s,
+peak GPU memory, MFU and the ratios against HF+PEFT+bnb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16; MFU is reported against it
+
+
+def model_flops_per_token(config: dict, seq: int) -> float:
+    """Forward (2N) plus the input-gradient half of backward (2N), plus causal attention; LoRA is negligible."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    kv = config["num_key_value_heads"] * head_dim
+    per_layer = h * (heads * head_dim) * 2 + h * kv * 2 + 3 * h * i
+    dense = 4 * (per_layer * layers + config["vocab_size"] * h)
+    attention = 3 * 2 * 2 * layers * heads * head_dim * seq / 2
+    return dense + attention
+
+
+def _batch(vocab: int, args):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator)
+    return ids.to(args.device), ids.roll(-1, dims=1).to(args.device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_qlora(args) -> dict:
+    from qlora_cli.memory import layers_to_checkpoint
+    from qlora_cli.model import LoRAConfig, QLoRAModel
+    from qlora_cli.weights import read_spec
+
+    spec = read_spec(args.checkpoint)
+    setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
+    recompute = layers_to_checkpoint(setting, spec, args.batch * args.seq, args.budget_gb, 16)
+    start = time.perf_counter()
+    model = QLoRAModel.from_pretrained(
+        args.checkpoint, lora=LoRAConfig(r=16, alpha=32), device=args.device, checkpoint_layers=recompute
+    ).train()
+    _sync(args.device)
+    load_s = time.perf_counter() - start
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5, fused=args.device == "cuda")
+    ids, labels = _batch(spec.vocab_size, args)
+
+    def step():
+        loss_sum, count = model.loss(ids, labels)
+        (loss_sum / count).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum / count
+
+    return _timed(step, args) | {"load_s": load_s, "recomputed_layers": recompute}
+
+
+def run_hf(args, liger: bool) -> dict:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        apply_liger_kernel_to_qwen2()
+    start = time.perf_counter()
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        args.checkpoint,
+        quantization_config=quantization,
+        dtype=torch.bfloat16,
+        device_map={"": args.device},
+        attn_implementation="sdpa",
+    )
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing != "false")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
+    )
+    model.train()
+    _sync(args.device)
+    load_s = time.perf_counter() - start
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=args.device == "cuda")
+    ids, _ = _batch(model.config.vocab_size, args)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return _timed(step, args) | {"load_s": load_s}
+
+
+def _timed(step, args) -> dict:
+    for _ in range(args.warmup):
+        step()
+    _sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    _sync(args.device)
+    seconds = (time.perf_counter() - start) / args.steps
+    return {
+        "step_s": seconds,
+        "tokens_per_s": args.batch * args.seq / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
+        "loss": float(loss.detach()),
+    }
+
+
+RUNNERS = {
+    "qlora": run_qlora,
+    "hf": lambda a: run_hf(a, liger=False),
+    "liger": lambda a: run_hf(a, liger=True),
+}
+LABELS = {"qlora": "qlora", "hf": "HF+PEFT+bnb", "liger": "HF+PEFT+bnb+Liger"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runners", default="qlora,hf,liger")
+    parser.add_argument("--checkpointing", choices=["true", "false", "auto"], default="true")
+    parser.add_argument(
+        "--budget-gb", type=float, default=None, help="memory budget for --checkpointing auto"
+    )
+    parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
+    parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(RUNNERS[args.worker](args)), flush=True)
+        return
+    with open(f"{args.checkpoint}/config.json") as f:
+        config = json.load(f)
+    flops = model_flops_per_token(config, args.seq)
+    results = {}
+    for name in args.runners.split(","):
+        command = [sys.executable, "-m", "benchmarks.compare", *sys.argv[1:], "--worker", name]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"{LABELS[name]}: failed\n{proc.stderr[-3000:]}")
+            continue
+        results[name] = json.loads(lines[-1][len("RESULT ") :])
+    base = results.get("hf", {}).get("tokens_per_s")
+    print(
+        f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {args.batch} x {args.seq} tokens, "
+        f"gradient checkpointing {args.checkpointing}, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+    )
+    print(f"{'runner':<20}{'tok/s':>10}{'peak GiB':>10}{'MFU':>8}{'vs HF':>8}{'load s':>8}{'loss':>8}")
+    for name, r in results.items():
+        mfu = r["tokens_per_s"] * flops / (DATASHEET_BF16_TFLOPS * 1e12)
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        print(
+            f"{LABELS[name]:<20}{r['tokens_per_s']:>10,.0f}{r['peak_gib']:>10.1f}{mfu:>8.1%}{ratio:>8}"
+            f"{r['load_s']:>8.1f}{r['loss']:>8.3f}"
+        )
+    print("JSON " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
