@@ -205,3 +205,31 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
     assert resumed.step == 6
     assert not any(p.name.startswith(".tmp-checkpoint") for p in out.iterdir())
     assert [s for s, _ in _losses(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_trains_from_a_hub_model_and_a_hub_dataset(tmp_path, monkeypatch):
+    """base_model and the dataset as repo ids: downloaded through huggingface_hub from a local fake hub."""
+    from fake_hub import FakeHub, FakeRepo, use_fake_hub
+
+    local = write_run(tmp_path / "local")
+    model_files = {p.name: p.read_bytes() for p in (tmp_path / "local" / "model").iterdir()}
+    data = {"data/train.jsonl": (tmp_path / "local" / "train.jsonl").read_bytes()}
+    repos = {
+        "org/tiny-qwen3": FakeRepo({"main": model_files}),
+        "org/chats": FakeRepo({"main": data}, "dataset"),
+    }
+    with FakeHub(repos) as hub:
+        use_fake_hub(monkeypatch, hub, tmp_path / "hf_home")
+        config = load_config(
+            local,
+            [
+                "base_model=org/tiny-qwen3",
+                "datasets.0.path=org/chats",
+                f"output_dir={tmp_path / 'out'}",
+                "max_steps=2",
+            ],
+        )
+        result = train(config)
+        assert hub.fetched_files("org/tiny-qwen3") == set(model_files)
+        assert hub.fetched_files("org/chats") == set(data)
+    assert result.step == 2 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
