@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +31,14 @@ SetOption = Annotated[
         "--set", help="Override a config key, e.g. --set lora_r=8 (repeatable; dotted keys reach into lists)."
     ),
 ]
+NprocOption = Annotated[
+    int,
+    typer.Option(
+        "--nproc",
+        min=1,
+        help="Data-parallel processes, one per GPU (gloo processes on the CPU), started through torchrun.",
+    ),
+]
 
 
 def _version(value: bool) -> None:
@@ -48,12 +57,36 @@ def root(
 
 
 @app.command()
-def train(config: ConfigArg, set_: SetOption = None) -> None:
+def train(
+    config: ConfigArg,
+    set_: SetOption = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="Time every op of every step and print the per-op table after the run "
+            "(the first step is left out as warm-up when there are more).",
+        ),
+    ] = False,
+    nproc: NprocOption = 1,
+) -> None:
     """Train LoRA adapters on an NF4-quantized base model, as CONFIG says."""
-    from qlora_cli.config import load_config
-    from qlora_cli.train import train as run_training
+    if nproc > 1:
+        from qlora_cli.distributed import launch_train
 
-    result = run_training(load_config(config, set_ or ()), console=console)
+        flags = ["--profile"] if profile else []
+        raise typer.Exit(launch_train(nproc, config, set_ or (), flags))
+    from qlora_cli.config import load_config
+
+    if profile:
+        from qlora_cli.profiler import print_report, profiled_train
+
+        result, report = profiled_train(load_config(config, set_ or ()), console=console)
+        print_report(report)
+    else:
+        from qlora_cli.train import train as run_training
+
+        result = run_training(load_config(config, set_ or ()), console=console)
     console.print(f"[green]done[/]: {result.step} steps, adapter in {result.output_dir}")
 
 
@@ -67,20 +100,127 @@ def resume(
         typer.Option(help="Continue from this checkpoint folder instead of the newest complete one."),
     ] = None,
     set_: SetOption = None,
+    nproc: NprocOption = 1,
 ) -> None:
     """Continue an interrupted run exactly where its last checkpoint left it."""
+    if nproc > 1:
+        from qlora_cli.distributed import launch_resume
+
+        raise typer.Exit(launch_resume(nproc, output_dir, checkpoint, set_ or ()))
     from qlora_cli.train import resume as resume_training
 
     result = resume_training(output_dir, checkpoint=checkpoint, overrides=set_ or (), console=console)
     console.print(f"[green]done[/]: {result.step} steps, adapter in {result.output_dir}")
 
 
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint-<step> folder, or a run's output_dir (its newest complete checkpoint).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(help="Folder to write; it must be new or empty unless --force.", show_default=False),
+    ],
+    merged: Annotated[
+        bool,
+        typer.Option(
+            "--merged", help="Write the base model with the adapter merged in, instead of a PEFT adapter."
+        ),
+    ] = False,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            help="With --merged: merge onto the 'original' base weights (default) or onto their 'nf4' "
+            "round trip, the weights the adapter trained against.",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="With --merged: dtype of the saved weights, bfloat16 (default), float16 or float32.",
+            show_default=False,
+        ),
+    ] = None,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            help="With --merged: largest shard file, e.g. 5GB (default), 500MB or 2GiB.", show_default=False
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace --out if it exists and is not empty.")
+    ] = False,
+) -> None:
+    """Export a checkpoint as a PEFT adapter, or with --merged as a full Hugging Face model."""
+    from qlora_cli.export import export as run_export
+
+    result = run_export(
+        checkpoint, out, merged=merged, base=base, dtype=dtype, max_shard_size=max_shard_size, force=force
+    )
+    what = (
+        f"merged model ({result.base} base, {result.dtype}, {result.shards} shards)"
+        if result.merged
+        else "PEFT adapter"
+    )
+    console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")
+
+
+@app.command()
+def profile(
+    config: ConfigArg,
+    steps: Annotated[int, typer.Option(help="Timed optimizer steps; the table averages them.")] = 3,
+    warmup: Annotated[
+        int, typer.Option(help="Steps run first and left out (kernel compilation, autotuning, allocator).")
+    ] = 1,
+    json_file: Annotated[
+        Path | None,
+        typer.Option("--json", help="Also write the table's numbers to this JSON file.", show_default=False),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a Chrome trace (torch.profiler) of one more step to this file; open it in "
+            "chrome://tracing or Perfetto.",
+            show_default=False,
+        ),
+    ] = None,
+    set_: SetOption = None,
+) -> None:
+    """Time each op of a training step as CONFIG sets it up, forward and backward; writes no checkpoints."""
+    from qlora_cli.config import load_config
+    from qlora_cli.profiler import print_report
+    from qlora_cli.profiler import profile as run_profile
+
+    report = run_profile(
+        load_config(config, set_ or ()),
+        steps=steps,
+        warmup=warmup,
+        json_path=json_file,
+        trace_path=trace,
+        console=console,
+    )
+    print_report(report)
+
+
 def main() -> None:
-    """Entry point: every error a user can cause ends in one line, never a traceback."""
+    """Entry point: every error a user can cause ends in one line, never a traceback.
+
+    Under torchrun rank 0 speaks for the run; other ranks print only their own failures.
+    """
+    other_rank = os.environ.get("RANK", "0") != "0"
+    console.quiet = other_rank
     try:
         app()
     except QLoraError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        if not other_rank or hasattr(err, "failed_rank"):
+            console.quiet = False
+            console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]")

@@ -3,7 +3,8 @@
 One layer: fused residual-add + RMSNorm → QKV projection (+bias, + LoRA) → QK-norm + RoPE →
 causal GQA attention → O projection → fused residual-add + RMSNorm → gate/up projection →
 SwiGLU → down projection. Every op goes through `kernels`, which picks Triton on CUDA and the
-torch reference on the CPU, so this file reads the same on both.
+torch reference on the CPU, so this file reads the same on both. `timed` names each op for
+`qlora profile` and calls it straight through when profiling is off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kernels.rope import apply_rope
 from kernels.swiglu import swiglu
 from qlora_cli.config import ALL_PROJECTIONS
 from qlora_cli.hub import resolve_model
+from qlora_cli.profiler import timed
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 
 GROUPS = {
@@ -150,14 +152,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, position_ids, doc_ids, inv_freq):
         spec = self.spec
         b, s, _ = x.shape
-        h, residual = add_rms_norm(x, residual, self.input_layernorm, spec.rms_norm_eps)
-        qkv = self.projections["qkv"](h).view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
+        eps = spec.rms_norm_eps
+        h, residual = timed("rmsnorm_attn", add_rms_norm, x, residual, self.input_layernorm, eps)
+        qkv = timed("qkv_gemm", self.projections["qkv"], h)
+        qkv = qkv.view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
         q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
-        q, k = apply_rope(q, k, position_ids, inv_freq, self.q_norm, self.k_norm, spec.rms_norm_eps)
-        attn = attention(q, k, v, doc_ids, backend=choose_attention_backend(self.attention_backend, doc_ids))
-        x = self.projections["o"](attn.reshape(b, s, spec.q_size))
-        h, residual = add_rms_norm(x, residual, self.post_attention_layernorm, spec.rms_norm_eps)
-        x = self.projections["down"](swiglu(self.projections["gate_up"](h)))
+        q, k = timed("rope", apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
+        backend = choose_attention_backend(self.attention_backend, doc_ids)
+        attn = timed("attention", attention, q, k, v, doc_ids, backend=backend)
+        x = timed("o_proj", self.projections["o"], attn.reshape(b, s, spec.q_size))
+        h, residual = timed("rmsnorm_ffn", add_rms_norm, x, residual, self.post_attention_layernorm, eps)
+        gate_up = timed("gate_up_gemm", self.projections["gate_up"], h)
+        x = timed("down_gemm", self.projections["down"], timed("silu", swiglu, gate_up))
         return x, residual
 
 
@@ -282,7 +288,7 @@ class QLoRAModel(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = timed("embedding", F.embedding, input_ids, self.embed_tokens)
         residual = None
         for i, layer in enumerate(self.layers):
             if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
@@ -291,7 +297,7 @@ class QLoRAModel(nn.Module):
                 )
             else:
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)
-        h, _ = add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+        h, _ = timed("final_norm", add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
         return h
 
     def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:
@@ -302,4 +308,6 @@ class QLoRAModel(nn.Module):
     def loss(self, input_ids, labels, position_ids=None, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of token losses, count of trained tokens); labels are already shifted."""
         h = self.hidden_states(input_ids, position_ids, doc_ids)
-        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head, labels.reshape(-1))
+        return timed(
+            "lm_head_loss", linear_cross_entropy, h.reshape(-1, h.shape[-1]), self.lm_head, labels.reshape(-1)
+        )

@@ -7,6 +7,7 @@ is what makes `qlora resume` continue bit for bit where the run stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -20,10 +21,12 @@ from rich.console import Console
 from qlora_cli.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.config import TrainConfig, apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.data import BatchPlan, load_examples, split_validation
+from qlora_cli.distributed import Distributed, check_world_size, distributed
 from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
 from qlora_cli.hub import resolve_dataset, resolve_model
 from qlora_cli.memory import layers_to_checkpoint
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.profiler import OpProfiler, region
 from qlora_cli.progress import MetricsLog, TrainProgress, memory_gib
 from qlora_cli.tokenizer import ChatTokenizer
 from qlora_cli.weights import read_spec
@@ -102,6 +105,8 @@ class Run:
     eval_plan: BatchPlan | None
     total_steps: int
     notes: list[str]
+    dist: Distributed
+    loss_module: torch.nn.Module
 
     def packed_doc_ids(self, batch):
         """Document ids matter only in packed rows; a padded single-document row is plain causal."""
@@ -113,10 +118,11 @@ def _check_output_dir(path: Path) -> None:
         raise QLoraError(f"output_dir {path} exists and is not a folder")
 
 
-def build_run(config: TrainConfig) -> Run:
+def build_run(config: TrainConfig, dist: Distributed | None = None) -> Run:
     output_dir = Path(config.output_dir)
     _check_output_dir(output_dir)
-    device = select_device(config.device)
+    dist = dist or Distributed(device=select_device(config.device))
+    device = dist.device
     dtype = compute_dtype(config, device)
     folder = resolve_model(config.base_model, config.revision)
     spec = read_spec(folder)
@@ -147,7 +153,7 @@ def build_run(config: TrainConfig) -> Run:
     )
     train_plan = BatchPlan(train_examples, **plan_args)
     eval_plan = BatchPlan(eval_examples, **plan_args) if eval_examples else None
-    batches_per_step = train_plan.num_batches / config.gradient_accumulation_steps
+    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
     lora = LoRAConfig(
         r=config.lora_r,
@@ -180,7 +186,9 @@ def build_run(config: TrainConfig) -> Run:
         weight_decay=config.weight_decay,
         fused=device.type == "cuda",
     )
-    return Run(config, device, model, optimizer, train_plan, eval_plan, total_steps, notes)
+    return Run(
+        config, device, model, optimizer, train_plan, eval_plan, total_steps, notes, dist, dist.wrap(model)
+    )
 
 
 class StopSignals:
@@ -219,13 +227,13 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def evaluate(run: Run) -> tuple[float, float]:
-    """Mean token loss and perplexity over the whole validation set."""
+    """Mean token loss and perplexity over the whole validation set, shared among the ranks."""
     model, plan = run.model, run.eval_plan
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with torch.no_grad():
-        for index in range(plan.num_batches):
+        for index in run.dist.shard(plan.num_batches):
             batch = plan.batch(0, index).to(run.device)
             total, n = model.loss(
                 batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
@@ -233,7 +241,8 @@ def evaluate(run: Run) -> tuple[float, float]:
             loss_sum += total.double().cpu()
             count += int(n)
     model.train()
-    loss = float(loss_sum) / max(1, count)
+    loss_sum, count = run.dist.sum(float(loss_sum), count)
+    loss = loss_sum / max(1, count)
     return loss, math.exp(min(loss, 50.0))
 
 
@@ -241,51 +250,65 @@ def _train_step(run: Run, step: int) -> tuple[float, int, int]:
     """One optimizer step over `gradient_accumulation_steps` micro-batches.
 
     The loss is normalised by the trained tokens of the whole accumulated batch, so accumulation
-    gives the same update as one large batch. Returns (summed loss, trained tokens, input tokens).
+    gives the same update as one large batch. Under DDP the batch is every rank's micro-batches and
+    DDP averages gradients over ranks, so each rank scales its loss by the world size.
+    Returns (this rank's summed loss, trained tokens of all ranks, this rank's input tokens).
     """
-    config, plan = run.config, run.train_plan
-    accumulation = config.gradient_accumulation_steps
-    first = step * accumulation
-    batches = [plan.batch(*divmod(first + i, plan.num_batches)) for i in range(accumulation)]
-    trained = sum(b.n_tokens for b in batches)
+    config, plan, dist = run.config, run.train_plan, run.dist
+    with region("data"):
+        indices = dist.micro_batches(step, config.gradient_accumulation_steps)
+        batches = [plan.batch(*divmod(index, plan.num_batches)) for index in indices]
+    trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
-    for batch in batches:
-        batch = batch.to(run.device)
-        loss_sum, _ = run.model.loss(
-            batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
-        )
-        (loss_sum / max(1, trained)).backward()
+    for i, batch in enumerate(batches):
+        with region("data"):
+            batch = batch.to(run.device)
+        with dist.accumulating(run.loss_module, last=i == len(batches) - 1):
+            loss_sum, _ = run.loss_module(
+                batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
+            )
+            with region("backward"):
+                (loss_sum * dist.world_size / max(1, trained)).backward()
         loss_total += loss_sum.detach()
     return float(loss_total), trained, sum(b.input_ids.numel() for b in batches)
 
 
 def _optimizer_step(run: Run, step: int) -> float:
     params = run.model.trainable_parameters()
-    if run.config.max_grad_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, run.config.max_grad_norm))
-    else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-    lr = learning_rate(run.config, step, run.total_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    with region("optimizer", params):
+        if run.config.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, run.config.max_grad_norm))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        lr = learning_rate(run.config, step, run.total_steps)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
 def _save(run: Run, step: int, metrics: list[dict]) -> Path:
-    plan = run.train_plan
-    epoch, index = divmod(step * run.config.gradient_accumulation_steps, plan.num_batches)
+    """Rank 0 writes the checkpoint, with every rank's RNG state; the others wait until it is written."""
+    plan, dist = run.train_plan, run.dist
+    epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
+    rng = dist.all_gather_json(_rng_state(run.device))
     state = {
         "step": step,
         "total_steps": run.total_steps,
         "epoch": epoch,
         "batch_index": index,
-        "rng": _rng_state(run.device),
+        "world_size": dist.world_size,
+        "rng": rng[0],
+        "rng_per_rank": rng,
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
         "metrics": metrics[-100:],
     }
-    return save_checkpoint(Path(run.config.output_dir), step, run.model, run.optimizer, state, run.config)
+    folder = Path(run.config.output_dir) / f"checkpoint-{step}"
+    if dist.is_main:
+        folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
+    dist.barrier()
+    return folder
 
 
 def train(
@@ -293,20 +316,41 @@ def train(
     *,
     resume_from: Path | None = None,
     console: Console | None = None,
+    profiler: OpProfiler | None = None,
 ) -> TrainResult:
-    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint."""
-    console = console or Console(stderr=True)
-    run = build_run(config)
+    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint.
+
+    With a profiler, every optimizer step runs under `profiler.step` (qlora_cli/profiler.py).
+
+    Under torchrun every process calls this and they share the work (distributed.py); rank 0 alone
+    prints and writes files.
+    """
+    with distributed(select_device(config.device)) as dist:
+        return _train(config, dist, resume_from, console or Console(stderr=True), profiler)
+
+
+def _train(
+    config: TrainConfig,
+    dist: Distributed,
+    resume_from: Path | None,
+    console: Console,
+    profiler: OpProfiler | None = None,
+) -> TrainResult:
+    if not dist.is_main:
+        console = Console(quiet=True)
+    if resume_from is not None:
+        check_world_size(resume_from, dist.world_size)
+    run = build_run(config, dist)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start, metrics = 0, []
     if resume_from is not None:
         state = load_checkpoint(resume_from, run.model, run.optimizer)
         start, metrics = state["step"], list(state.get("metrics", []))
-        _set_rng_state(state["rng"], run.device)
+        _set_rng_state(state.get("rng_per_rank", [state["rng"]])[dist.rank], run.device)
         console.print(f"resuming from {resume_from} at step {start}")
     else:
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.seed + dist.rank)
     for note in run.notes:
         console.print(f"[yellow]note:[/] {note}")
     n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
@@ -315,7 +359,11 @@ def train(
         f"{'NF4' if config.quantize else 'unquantized'} base · {n_trainable:,} trainable parameters · "
         f"{run.train_plan.num_batches} micro-batches per epoch · {run.total_steps} steps on {run.device}"
     )
-    log = MetricsLog(output_dir / "metrics.jsonl", start if resume_from is not None else None)
+    if dist.active:
+        console.print(f"data parallel over {dist.world_size} processes ({dist.device.type})")
+    resumed_at = start if resume_from is not None else None
+    log = MetricsLog(output_dir / "metrics.jsonl", resumed_at) if dist.is_main else None
+    batches_per_step = config.gradient_accumulation_steps * dist.world_size
     last_checkpoint = resume_from
     loss = None
     window_loss, window_tokens, window_inputs, window_start = 0.0, 0, 0, time.perf_counter()
@@ -323,11 +371,14 @@ def train(
         torch.cuda.reset_peak_memory_stats(run.device)
     with StopSignals() as signals, TrainProgress(console, run.total_steps, start) as progress:
         for step in range(start, run.total_steps):
-            loss_sum, trained, inputs = _train_step(run, step)
-            if not math.isfinite(loss_sum):
-                kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
-                raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
-            grad_norm = _optimizer_step(run, step)
+            with profiler.step(run.device) if profiler else contextlib.nullcontext():
+                loss_sum, trained, inputs = _train_step(run, step)
+                loss_sum, inputs = dist.sum(loss_sum, inputs)
+                stop_signal = int(dist.max(signals.received or 0))
+                if not math.isfinite(loss_sum):
+                    kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
+                    raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+                grad_norm = _optimizer_step(run, step)
             done = step + 1
             window_loss += loss_sum
             window_tokens += trained
@@ -341,10 +392,10 @@ def train(
                     "loss": window_loss / max(1, window_tokens),
                     "lr": learning_rate(config, step, run.total_steps),
                     "grad_norm": grad_norm,
-                    "epoch": round(done * config.gradient_accumulation_steps / run.train_plan.num_batches, 4),
+                    "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
                     "trained_tokens": window_tokens,
                     "tokens_per_s": window_inputs / elapsed,
-                    "memory_gib": memory_gib(run.device),
+                    "memory_gib": dist.max(memory_gib(run.device)),
                 }
                 window_loss, window_tokens, window_inputs, window_start = 0.0, 0, 0, time.perf_counter()
             if run.eval_plan is not None and config.eval_steps and done % config.eval_steps == 0:
@@ -352,22 +403,23 @@ def train(
                 record = record or {"step": done}
                 record.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
             if record is not None:
-                log.write(record)
+                if log is not None:
+                    log.write(record)
                 metrics.append(record)
                 if "loss" in record:
                     progress.update(done, record)
             progress.advance_to(done)
-            stopping = signals.received is not None
+            stopping = stop_signal != 0
             if (config.save_steps and done % config.save_steps == 0) or stopping or done == run.total_steps:
                 last_checkpoint = _save(run, done, metrics)
             if stopping:
-                name = signal.Signals(signals.received).name
+                name = signal.Signals(stop_signal).name
                 raise RunInterrupted(
                     f"{name} received: stopped after step {done}, checkpoint saved in {last_checkpoint}; "
                     f"continue with `qlora resume {output_dir}`",
-                    signals.received,
+                    stop_signal,
                 )
-    if last_checkpoint is not None:
+    if last_checkpoint is not None and dist.is_main:
         _write_final_adapter(run, last_checkpoint)
     return TrainResult(output_dir, run.total_steps, loss, last_checkpoint)
 

@@ -1,0 +1,387 @@
+"""Export a trained checkpoint: a PEFT adapter folder, or the base model with the adapter merged in.
+
+The adapter export is what `PeftModel.from_pretrained` loads; the merged export is a plain Hugging Face
+model folder that `AutoModelForCausalLM.from_pretrained` loads, written shard by shard while the base
+weights stream past, so host memory stays near one shard however large the model is. Either way the
+folder is built under a temporary name and renamed into place at the end: a failed export leaves nothing
+half-written behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kernels.nf4 import dequantize_nf4, quantize_nf4
+from qlora_cli.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
+from qlora_cli.checkpoint import latest_checkpoint, read_checkpoint_config, read_trainer_state
+from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
+from qlora_cli.errors import QLoraError
+from qlora_cli.hub import resolve_model
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.train import compute_dtype
+from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
+
+ADAPTER_FILE = "adapter_model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+BASES = ("original", "nf4")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"
+SAFETENSORS_METADATA = {"format": "pt"}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    checkpoint: Path
+    merged: bool
+    base: str | None
+    dtype: str | None
+    shards: int
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '5GB', '500MB' (powers of 1000) or '2GiB' (powers of 1024), as Hugging Face reads them."""
+    match = _SIZE.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise QLoraError(f"--max-shard-size: expected a size like 5GB, 500MB or 2GiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The folder itself when it is a checkpoint, else the newest complete checkpoint inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
+    if (path / "trainer_state.json").is_file():
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise QLoraError(
+            f"{path} holds no complete checkpoint (a checkpoint-<step> folder with trainer_state.json)"
+        )
+    return found
+
+
+def lora_config(config: TrainConfig) -> LoRAConfig:
+    return LoRAConfig(
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.target_modules),
+        use_rslora=config.peft_use_rslora,
+        train_norms=config.train_norms,
+    )
+
+
+def training_dtype(config: TrainConfig, state: dict) -> torch.dtype:
+    """The compute dtype the run trained in: the dtype its NF4 weights were quantized from and dequantized to.
+
+    `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
+    gives that dtype back, so the weights the adapter learned against are
+    dequantize_nf4(quantize_nf4(W.to(compute dtype))). The compute dtype is `train.compute_dtype` of the
+    run's device: config.device, or for `device: auto` CUDA exactly when trainer_state.json holds a CUDA
+    RNG state (written only by runs on CUDA).
+    """
+    on_cuda = config.device == "cuda" or (config.device == "auto" and "cuda" in state.get("rng", {}))
+    return compute_dtype(config, torch.device("cuda" if on_cuda else "cpu"))
+
+
+def nf4_round_trip(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen weight as the quantized model computes with it."""
+    return dequantize_nf4(quantize_nf4(weight.to(dtype)))
+
+
+def merge_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    adapter: dict[str, torch.Tensor],
+    scaling: float,
+    round_trip: torch.dtype | None,
+) -> torch.Tensor:
+    """One base tensor as the trained model sees it.
+
+    With `round_trip` every projection weight (adapted or not, all are NF4 in training) becomes its NF4
+    round trip in that dtype; a projection with an adapter then becomes W + scaling · B @ A computed in
+    fp32; a trained norm becomes its trained value; anything else passes as it is. Adapter names are the
+    PEFT prefix followed by the Hugging Face names, so the base name finds them.
+    """
+    module = name.removesuffix(".weight")
+    if round_trip is not None and module != name and module.rsplit(".", 1)[-1] in ALL_PROJECTIONS:
+        tensor = nf4_round_trip(tensor, round_trip)
+    lora_a = adapter.get(f"{PREFIX}{module}.lora_A.weight")
+    if lora_a is None:
+        return adapter.get(PREFIX + name, tensor)
+    lora_b = adapter[f"{PREFIX}{module}.lora_B.weight"]
+    return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
+
+
+class ShardWriter:
+    """Collects tensors into shards of at most `max_bytes` (a larger tensor gets a shard of its own).
+
+    Shards are written as they fill, under provisional names, and renamed to model-k-of-n once n is known.
+    """
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder = folder
+        self.max_bytes = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_size = 0
+
+    def _provisional(self, index: int) -> Path:
+        return self.folder / f".model-{index:05d}.safetensors"
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_size += size
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self._provisional(len(self.shards) + 1)), metadata=SAFETENSORS_METADATA)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> int:
+        """Write the last shard, name every shard k-of-n and write the index; returns n."""
+        if self.pending:
+            self._flush()
+        count = len(self.shards)
+        weight_map = {}
+        for index, names in enumerate(self.shards, start=1):
+            final = f"model-{index:05d}-of-{count:05d}.safetensors"
+            self._provisional(index).rename(self.folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index_file = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+        _write_json(self.folder / "model.safetensors.index.json", index_file)
+        return count
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_adapter(checkpoint: Path, skeleton: QLoRAModel, base_folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's adapter tensors, checked against the base: every one present, of the right shape."""
+    path = checkpoint / ADAPTER_FILE
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise QLoraError(f"checkpoint {checkpoint} is incomplete: {ADAPTER_FILE} is missing") from None
+    except (SafetensorError, OSError) as err:
+        raise QLoraError(f"{path} is corrupt: {err}") from None
+    source = f"{path} against base {base_folder}"
+    load_adapter_state(skeleton, tensors, source)
+    adapter = adapter_state_dict(skeleton)
+    extra = sorted(set(tensors) - set(adapter))
+    if extra:
+        raise QLoraError(
+            f"{source}: adapter tensor {extra[0]} is not one that the checkpoint's config trains"
+        )
+    return adapter
+
+
+def _base_config(folder: Path, dtype: str) -> dict:
+    """The base's config.json for a plain (unquantized) model in the export dtype."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config.pop("quantization_config", None)
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    return config
+
+
+def _write_merged(
+    folder: Path,
+    base_folder: Path,
+    spec: ModelSpec,
+    adapter: dict[str, torch.Tensor],
+    scaling: float,
+    round_trip: torch.dtype | None,
+    dtype: str,
+    max_bytes: int,
+) -> int:
+    """Stream the base, merge each tensor as it passes, write shards; a tied lm_head is left out, as
+    transformers expects (stream_tensors yields only the tensors the spec names)."""
+    writer = ShardWriter(folder, max_bytes)
+    for name, tensor in stream_tensors(base_folder, spec):
+        writer.add(name, merge_tensor(name, tensor, adapter, scaling, round_trip).to(DTYPES[dtype]))
+    shards = writer.finish()
+    _write_json(folder / "config.json", _base_config(base_folder, dtype))
+    if (base_folder / "generation_config.json").is_file():
+        shutil.copyfile(base_folder / "generation_config.json", folder / "generation_config.json")
+    return shards
+
+
+def _copy_tokenizer(base_folder: Path, folder: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (base_folder / name).is_file():
+            shutil.copyfile(base_folder / name, folder / name)
+
+
+def _last(metrics: list[dict], key: str) -> dict | None:
+    return next((record for record in reversed(metrics) if key in record), None)
+
+
+def model_card(
+    config: TrainConfig, state: dict, *, merged: bool, dtype: str | None, round_trip: torch.dtype | None
+) -> str:
+    """A short README.md: what was trained, on what, for how long, and how it was exported."""
+    revision = f" at revision `{config.revision}`" if config.revision else ""
+    lora = lora_config(config)
+    data = ", ".join(f"`{d.path}` ({d.type})" for d in config.datasets)
+    metrics = state.get("metrics") or []
+    rows = [
+        ("base model", f"`{config.base_model}`{revision}"),
+        ("data", data),
+        ("steps", f"{state['step']} of {state.get('total_steps', state['step'])}"),
+    ]
+    train_record, eval_record = _last(metrics, "loss"), _last(metrics, "eval_loss")
+    if train_record:
+        rows.append(("final training loss", f"{train_record['loss']:.4f} (step {train_record['step']})"))
+    if eval_record:
+        rows.append(("final eval loss", f"{eval_record['eval_loss']:.4f} (step {eval_record['step']})"))
+    rows.append(
+        (
+            "LoRA",
+            f"r={lora.r}, alpha={lora.alpha:g}, dropout={lora.dropout:g}, rsLoRA {'on' if lora.use_rslora else 'off'}, "
+            f"scaling {lora.scaling:g}, targets {', '.join(lora.target_modules)}; "
+            f"norms {'trained' if lora.train_norms else 'frozen'}",
+        )
+    )
+    rows.append(("trained on", "NF4-quantized base (QLoRA)" if config.quantize else "unquantized base"))
+    if merged:
+        onto = (
+            f"the NF4 round trip of the base weights in {str(round_trip).removeprefix('torch.')}, "
+            "the weights training computed with"
+            if round_trip is not None
+            else "the original base weights"
+        )
+        rows.append(("merged onto", f"{onto}, W + scaling · B·A in fp32, saved in {dtype}"))
+        kind, library = "the base model with the LoRA adapter merged in", "transformers"
+        usage = "AutoModelForCausalLM.from_pretrained(this_folder)"
+    else:
+        kind, library = "a LoRA adapter (PEFT format)", "peft"
+        usage = "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this_folder)"
+    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
+    return (
+        f"---\nlibrary_name: {library}\ntags: [qlora, lora]\n---\n\n"
+        f"# {config.base_model} fine-tuned with qlora\n\n"
+        f"This folder holds {kind}. Load it with `{usage}`.\n\n"
+        f"| | |\n|---|---|\n{table}\n"
+    )
+
+
+def _contains(folder: Path, path: Path) -> bool:
+    return folder == path or folder in path.parents
+
+
+def _check_out(out: Path, force: bool, keep: list[Path]) -> None:
+    """--out must be new or empty, or replaceable with --force without losing what the export reads."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise QLoraError(f"--out {out} exists and is a file; give a folder")
+    if not force and any(out.iterdir()):
+        raise QLoraError(
+            f"--out {out} exists and is not empty; choose a new folder or add --force to replace it"
+        )
+    resolved = out.resolve()
+    for path in keep:
+        if _contains(resolved, path.resolve()):
+            raise QLoraError(
+                f"--out {out} holds {path}, which the export reads or runs in; choose another folder"
+            )
+
+
+def export(
+    source: Path,
+    out: Path,
+    *,
+    merged: bool = False,
+    base: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    force: bool = False,
+) -> ExportResult:
+    """Write the adapter of a checkpoint (or of an output_dir's newest checkpoint) to `out`.
+
+    Without `merged`: a PEFT adapter folder. With it: the base model with the adapter merged in, onto the
+    original weights (`base="original"`) or onto the NF4 round trip the adapter trained against
+    (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`.
+    """
+    if not merged and (base, dtype, max_shard_size) != (None, None, None):
+        raise QLoraError("--base, --dtype and --max-shard-size apply to merged exports only; add --merged")
+    if merged:
+        base, dtype = base or DEFAULT_BASE, dtype or DEFAULT_DTYPE
+        if base not in BASES:
+            raise QLoraError(f"--base: expected one of {', '.join(BASES)}, got {base!r}")
+        if dtype not in DTYPES:
+            raise QLoraError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        max_bytes = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    checkpoint = find_checkpoint(source)
+    config = read_checkpoint_config(checkpoint)
+    state = read_trainer_state(checkpoint)
+    if merged and base == "nf4" and not config.quantize:
+        raise QLoraError(
+            f"checkpoint {checkpoint} trained on an unquantized base (load_in_4bit: false); "
+            "--base nf4 would merge onto weights it never saw, use --base original"
+        )
+    out = Path(out)
+    _check_out(out, force, [checkpoint, Path.cwd()])
+    try:
+        base_folder = resolve_model(config.base_model, config.revision)
+    except QLoraError as err:
+        raise QLoraError(f"cannot find the base model of checkpoint {checkpoint}: {err}") from None
+    _check_out(out, force, [base_folder])
+    spec = read_spec(base_folder)
+    skeleton = QLoRAModel(spec, lora_config(config))
+    adapter = _read_adapter(checkpoint, skeleton, base_folder)
+
+    round_trip = training_dtype(config, state) if merged and base == "nf4" else None
+    temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
+    shards = 0
+    try:
+        temp.mkdir(parents=True)
+        if merged:
+            shards = _write_merged(
+                temp, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, dtype, max_bytes
+            )
+        else:
+            save_file(adapter, str(temp / ADAPTER_FILE), metadata=SAFETENSORS_METADATA)
+            _write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
+        _copy_tokenizer(base_folder, temp)
+        card = model_card(config, state, merged=merged, dtype=dtype, round_trip=round_trip)
+        (temp / "README.md").write_text(card, encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        temp.rename(out)
+    except OSError as err:
+        raise QLoraError(f"could not write the export to {out}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return ExportResult(out, checkpoint, merged, base, dtype, shards)

@@ -1,0 +1,341 @@
+"""Export: PEFT loads the adapter, transformers loads the merged model, and both match our model."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kernels.nf4 import dequantize_nf4, quantize_nf4
+from qlora_cli.adapter import load_adapter_state
+from qlora_cli.checkpoint import read_checkpoint_config, save_checkpoint
+from qlora_cli.cli import main
+from qlora_cli.config import config_from_dict
+from qlora_cli.errors import QLoraError
+from qlora_cli.export import export, lora_config, parse_size, training_dtype
+from qlora_cli.model import QLoRAModel
+from qlora_cli.weights import read_spec
+
+WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
+# Qwen2 (q/k/v bias, tied embeddings): some targets, rsLoRA. Qwen3 (QK-norm, untied): all targets, norms trained.
+CASES = {
+    "qwen2": dict(lora_target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], peft_use_rslora=True),
+    "qwen3-norms": dict(train_norms=True),
+}
+STEPS = 3
+
+
+def make_run(folder: Path, kind: str, **settings) -> Path:
+    """A base model and one checkpoint with random LoRA A and B (and norms, if trained); returns output_dir."""
+    base = add_demo_tokenizer(WRITERS[kind](folder / "model"))
+    raw = {
+        "base_model": str(base),
+        "datasets": [{"path": "data/train.jsonl", "type": "alpaca"}],
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "device": "cpu",
+        "output_dir": str(folder / "out"),
+    }
+    config = config_from_dict({**raw, **settings})
+    model = QLoRAModel.from_pretrained(base, quantize=False, lora=lora_config(config))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.trainable_parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    optimizer = torch.optim.AdamW(model.trainable_parameters())
+    metrics = [{"step": STEPS, "loss": 2.5, "eval_loss": 2.75}]
+    state = {"step": STEPS, "total_steps": STEPS, "metrics": metrics, "rng": {"cpu": []}}
+    save_checkpoint(Path(config.output_dir), STEPS, model, optimizer, state, config)
+    return Path(config.output_dir)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request, tmp_path_factory):
+    kind = request.param.split("-")[0]
+    return make_run(tmp_path_factory.mktemp(request.param), kind, **CASES[request.param])
+
+
+def trained_model(output_dir: Path, *, quantize: bool) -> QLoRAModel:
+    """Our model with the checkpoint's adapter, the way training computed with it."""
+    checkpoint = output_dir / f"checkpoint-{STEPS}"
+    config = read_checkpoint_config(checkpoint)
+    model = QLoRAModel.from_pretrained(config.base_model, quantize=quantize, lora=lora_config(config))
+    load_adapter_state(model, load_file(checkpoint / "adapter_model.safetensors"), "test")
+    return model.eval()
+
+
+def tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(1))
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_adapter_loads_in_peft_and_matches_our_model(run, tmp_path, reference_ops):
+    from peft import PeftModel
+
+    out = export(run, tmp_path / "adapter").out
+    base = run.parent / "model"
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (out / name).is_file()
+    assert not (out / "config.json").exists()
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["base_model_name_or_path"] == str(base) and config["revision"] is None
+    ours = trained_model(run, quantize=False)
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert sorted(config["target_modules"]) == sorted(ours.lora.target_modules)
+    assert config["use_rslora"] == ours.lora.use_rslora
+
+    peft_model = PeftModel.from_pretrained(load_transformers(base), out).eval()
+    ids = tokens(ours.spec.vocab_size)
+    with torch.no_grad():
+        expected = ours(ids)
+        got = peft_model(ids).logits
+        plain = load_transformers(base)(ids).logits
+    assert max_error(got, expected) < 1e-4
+    assert max_error(plain, expected) > 1e-2
+    if ours.lora.train_norms:
+        loaded = peft_model.get_submodule("base_model.model.model.layers.1.self_attn.k_norm").weight
+        assert torch.equal(loaded, ours.layers[1].k_norm.detach())
+        assert torch.equal(peft_model.get_submodule("base_model.model.model.norm").weight, ours.norm.detach())
+
+
+def test_merged_original_base_matches_our_unquantized_model(run, tmp_path, reference_ops):
+    out = export(run, tmp_path / "merged", merged=True, dtype="float32").out
+    merged = load_transformers(out)
+    ours = trained_model(run, quantize=False)
+    ids = tokens(ours.spec.vocab_size)
+    with torch.no_grad():
+        assert max_error(merged(ids).logits, ours(ids)) < 1e-4
+    assert (out / "tokenizer.json").is_file() and not (out / "adapter_config.json").exists()
+
+
+def test_merged_nf4_base_matches_our_quantized_model(run, tmp_path, reference_ops):
+    nf4 = load_transformers(export(run, tmp_path / "nf4", merged=True, base="nf4", dtype="float32").out)
+    ours = trained_model(run, quantize=True)
+    ids = tokens(ours.spec.vocab_size)
+    with torch.no_grad():
+        got, expected = nf4(ids).logits, ours(ids)
+        unquantized = trained_model(run, quantize=False)(ids)
+    assert max_error(got, expected) < 1e-4
+    assert max_error(unquantized, expected) > 1e-3
+    assert "NF4 round trip" in (tmp_path / "nf4" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_nf4_base_is_the_round_trip_in_the_training_dtype(tmp_path, reference_ops, bf16):
+    """The merged weight minus the LoRA delta is, up to fp32 rounding, the weight the run computed with
+    (bf16 compute: the round trip in bf16), and not the round trip in the other dtype."""
+    output_dir = make_run(tmp_path, "qwen3", bf16=bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    out = export(output_dir, tmp_path / "nf4", merged=True, base="nf4", dtype="float32").out
+    model = QLoRAModel.from_pretrained(output_dir.parent / "model", quantize=True, dtype=dtype)
+    merged = load_transformers(out).state_dict()
+    checkpoint = output_dir / f"checkpoint-{STEPS}"
+    scaling = lora_config(read_checkpoint_config(checkpoint)).scaling
+    adapter = load_file(checkpoint / "adapter_model.safetensors")
+    prefix = "model.layers.0.mlp.gate_proj"
+    delta = (
+        scaling
+        * adapter[f"base_model.model.{prefix}.lora_B.weight"]
+        @ adapter[f"base_model.model.{prefix}.lora_A.weight"]
+    )
+    trained_against = dequantize_nf4(model.layers[0].projections["gate_up"].weights[0]).float()
+    assert max_error(merged[f"{prefix}.weight"] - delta, trained_against) < 1e-6
+    original = load_file(output_dir.parent / "model" / "model.safetensors")[f"{prefix}.weight"]
+    other = torch.float32 if bf16 else torch.bfloat16
+    assert max_error(dequantize_nf4(quantize_nf4(original.to(other))).float(), trained_against) > 1e-4
+
+
+def test_training_dtype_follows_the_run_device():
+    def config(**keys):
+        return config_from_dict({"base_model": "x", "datasets": [{"path": "x"}], **keys})
+
+    assert training_dtype(config(device="cpu"), {}) == torch.float32
+    assert training_dtype(config(device="auto"), {"rng": {"cpu": [], "cuda": []}}) == torch.bfloat16
+    assert training_dtype(config(device="auto"), {"rng": {"cpu": []}}) == torch.float32
+    assert training_dtype(config(device="cpu", bf16=True), {}) == torch.bfloat16
+    assert training_dtype(config(device="cuda", bf16=False), {}) == torch.float32
+
+
+def test_small_shards_hold_every_tensor_once(tmp_path):
+    output_dir = make_run(tmp_path, "qwen2")
+    base = output_dir.parent / "model"
+    config_path = base / "config.json"
+    quantized = json.loads(config_path.read_text())
+    quantized["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    config_path.write_text(json.dumps(quantized))
+    out = export(output_dir, tmp_path / "sharded", merged=True, max_shard_size="40KB").out
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    seen, total = [], 0
+    for shard in shards:
+        with safe_open(str(out / shard), "pt") as f:
+            sizes = [f.get_tensor(name).numel() * 2 for name in f.keys()]  # noqa: SIM118
+            assert all(f.get_tensor(name).dtype == torch.bfloat16 for name in f.keys())  # noqa: SIM118
+            assert sum(sizes) <= 40_000 or len(sizes) == 1
+            seen += [name for name in f.keys() if index["weight_map"][name] == shard]  # noqa: SIM118
+            total += sum(sizes)
+    assert sorted(seen) == sorted(index["weight_map"]) == sorted(read_spec(base).expected_tensors())
+    assert "lm_head.weight" not in seen
+    assert index["metadata"]["total_size"] == total
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert (out / "generation_config.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    embed = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, embed.to(torch.bfloat16))
+
+
+def test_model_card_says_what_was_trained_and_how_it_was_merged(run, tmp_path, reference_ops):
+    card = (export(run, tmp_path / "m", merged=True, base="nf4").out / "README.md").read_text()
+    for text in (
+        str(run.parent / "model"),
+        "`data/train.jsonl` (alpaca)",
+        f"{STEPS} of {STEPS}",
+        "2.5000",
+        "2.7500",
+    ):
+        assert text in card
+    assert "r=4, alpha=8" in card and "NF4 round trip" in card and "bfloat16" in card
+    adapter_card = (export(run, tmp_path / "a").out / "README.md").read_text()
+    assert "PeftModel.from_pretrained" in adapter_card and "merged onto" not in adapter_card
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5 kb", 1500)]
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["5XB", "", "0GB", "GB", "-1MB"])
+def test_parse_size_refuses_nonsense(text):
+    with pytest.raises(QLoraError, match="--max-shard-size"):
+        parse_size(text)
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys, reference_ops):
+    """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["qlora", *map(str, args)])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        out, err = capsys.readouterr()
+        return exit_info.value.code, out, err
+
+    return run
+
+
+def error_line(result) -> str:
+    code, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_cli_exports_the_newest_checkpoint(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen3")
+    code, _, err = run_cli("export", output_dir, "--out", tmp_path / "adapter")
+    assert code == 0 and "PEFT adapter" in err and f"checkpoint-{STEPS}" in err
+    code, _, err = run_cli("export", output_dir / f"checkpoint-{STEPS}", "--out", tmp_path / "m", "--merged")
+    assert code == 0 and "merged model (original base, bfloat16, 1 shards)" in err
+
+
+def test_cli_errors_without_a_checkpoint(tmp_path, run_cli):
+    (tmp_path / "empty").mkdir()
+    assert "holds no complete checkpoint" in error_line(
+        run_cli("export", tmp_path / "empty", "--out", tmp_path / "o")
+    )
+    assert "does not exist" in error_line(run_cli("export", tmp_path / "missing", "--out", tmp_path / "o"))
+
+
+def test_cli_errors_when_the_base_is_gone(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    shutil.rmtree(output_dir.parent / "model")
+    line = error_line(run_cli("export", output_dir, "--out", tmp_path / "o", "--merged"))
+    assert "cannot find the base model" in line and "does not exist" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_refuses_a_non_empty_out_unless_forced(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "old.txt").write_text("keep me")
+    assert "exists and is not empty" in error_line(run_cli("export", output_dir, "--out", out))
+    assert (out / "old.txt").read_text() == "keep me"
+    assert run_cli("export", output_dir, "--out", out, "--force")[0] == 0
+    assert not (out / "old.txt").exists() and (out / "adapter_model.safetensors").is_file()
+    line = error_line(run_cli("export", output_dir, "--out", output_dir, "--force"))
+    assert "which the export reads" in line and (output_dir / f"checkpoint-{STEPS}").is_dir()
+
+
+def test_cli_refuses_adapter_tensors_that_do_not_fit_the_base(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen3")
+    path = output_dir / f"checkpoint-{STEPS}" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+    tensors[name] = tensors[name][:, :50].clone()
+    save_file(tensors, path)
+    line = error_line(run_cli("export", output_dir, "--out", tmp_path / "o", "--merged"))
+    assert f"{name} has shape [4, 50], the model needs [4, 96]" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--merged", "--base", "bf16"], "--base: expected one of original, nf4"),
+        (["--merged", "--dtype", "int8"], "--dtype: expected one of bfloat16"),
+        (["--merged", "--max-shard-size", "big"], "--max-shard-size: expected a size"),
+        (["--dtype", "float16"], "apply to merged exports only"),
+    ],
+)
+def test_cli_refuses_bad_options(tmp_path, run_cli, args, message):
+    assert message in error_line(run_cli("export", tmp_path / "run", "--out", tmp_path / "o", *args))
+
+
+def test_nf4_base_needs_a_quantized_run(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2", load_in_4bit=False, adapter="lora")
+    line = error_line(run_cli("export", output_dir, "--out", tmp_path / "o", "--merged", "--base", "nf4"))
+    assert "trained on an unquantized base" in line
+
+
+def test_cli_help_names_every_option(run_cli):
+    code, out, _ = run_cli("export", "--help")
+    assert code == 0
+    for option in ("--out", "--merged", "--base", "--dtype", "--max-shard-size", "--force"):
+        assert option in out
+
+
+def test_a_base_that_breaks_midway_leaves_nothing_behind(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    weights = output_dir.parent / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert "truncated or corrupt" in error_line(
+        run_cli("export", output_dir, "--out", tmp_path / "o", "--merged")
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
