@@ -81,6 +81,11 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def resume_option(self) -> str:
+        """What `qlora resume` needs to continue this run's checkpoints."""
+        return f" --nproc {self.world_size}" if self.active else ""
+
     @classmethod
     def from_env(cls, device: torch.device) -> Distributed:
         """Join the process group torchrun describes (NCCL on GPUs, gloo on the CPU); alone without it."""
@@ -89,7 +94,8 @@ class Distributed:
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         if missing:
             raise QLoraError(
-                f"WORLD_SIZE is set but {', '.join(missing)} is not: start several processes with torchrun "
+                f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: start the processes with torchrun "
                 "or `qlora train CONFIG --nproc N`"
             )
         rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")

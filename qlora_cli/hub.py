@@ -39,6 +39,7 @@ MODEL_FILE_PATTERNS = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "chat_template.jinja",
 )
 _DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)

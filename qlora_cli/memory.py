@@ -40,8 +40,8 @@ def kept_activation_bytes(spec: ModelSpec, tokens: int) -> int:
 
 
 def checkpointed_activation_bytes(spec: ModelSpec, tokens: int) -> int:
-    """A recomputed layer keeps only its two inputs (hidden and residual)."""
-    return tokens * 2 * spec.hidden_size * BF16
+    """A recomputed layer keeps only its input, the residual stream."""
+    return tokens * spec.hidden_size * BF16
 
 
 def layers_to_checkpoint(

@@ -292,8 +292,10 @@ class QLoRAModel(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
+                # A recomputed layer keeps only its input: hand it the residual stream as one tensor.
+                stream = x if residual is None else x + residual
                 x, residual = checkpoint(
-                    layer, x, residual, position_ids, doc_ids, self.inv_freq, use_reentrant=False
+                    layer, stream, None, position_ids, doc_ids, self.inv_freq, use_reentrant=False
                 )
             else:
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich import box
@@ -29,7 +30,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.linear import lora_linear
+from qlora_cli.config import TrainConfig
 from qlora_cli.errors import QLoraError
+
+if TYPE_CHECKING:
+    from qlora_cli.train import TrainResult
 
 # Forward row of each timed op -> the row its backward goes to. Rows named the same both ways
 # (final_norm, lm_head_loss) hold forward and backward together.
@@ -416,14 +421,13 @@ class OpProfiler:
     def counted_steps(self) -> list[StepRecord]:
         return self.steps[self.warmup_steps :] or self.steps
 
-    def report(self, calibration: Calibration | None = None, *, measure_lora: bool = True) -> ProfileReport:
+    def report(self, calibration: Calibration | None = None) -> ProfileReport:
         """The table's numbers, averaged over the counted steps; calibrates now if not given."""
         steps = self.counted_steps()
         if not steps:
             raise QLoraError("no step was profiled")
         calibration = calibration or calibrate(self.device, self.dtype)
-        lora = lora_share(self, steps) if measure_lora else None
-        return build_report(self, steps, calibration, lora)
+        return build_report(self, steps, calibration, lora_share(self, steps))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -499,52 +503,49 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -
     )
 
 
+def _lora_ms(
+    group: torch.nn.Module, tokens: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, float]:
+    """(forward, backward) ms that LoRA adds to one call of `group` at `tokens` rows: the call as
+    the step makes it, minus the same frozen projection without LoRA; best of a few each."""
+    count = len(group.names)
+    x = torch.randn(tokens, group.weights[0].shape[1], device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, sum(group.out_features), device=device, dtype=dtype)
+    lora_params = [x, *group.lora_A.values(), *group.lora_B.values()]
+
+    def with_lora():
+        return group(x)
+
+    def without_lora():
+        return lora_linear(
+            x, group.weights, group.biases, [None] * count, [None] * count, 0.0, buffer=group.scratch
+        )
+
+    repeats = 10 if device.type == "cuda" else 7
+    forward = _best_ms(with_lora, device, repeats) - _best_ms(without_lora, device, repeats)
+    both = _best_ms(lambda: torch.autograd.grad(with_lora(), lora_params, dy), device, repeats) - _best_ms(
+        lambda: torch.autograd.grad(without_lora(), [x], dy), device, repeats
+    )
+    return max(0.0, forward), max(0.0, both - forward)
+
+
 def lora_share(profiler: OpProfiler, steps: list[StepRecord]) -> dict[str, float]:
     """ms per step that LoRA adds inside the gemm rows, measured apart from the step.
 
-    LoRA runs inside each projection's fused call, so the step cannot time it alone. For each
-    projection group (the first one the step timed), this times the call as the step makes it and
-    the same frozen projection without LoRA, forward and forward + backward, at the step's tokens
+    LoRA runs inside each projection's fused call, so the step cannot time it alone. Each projection
+    group (the first of its kind the step timed) is timed with and without LoRA at the step's tokens
     per micro-batch; the differences times the step's calls of that group are the estimate.
     """
     tokens = sum(s.tokens for s in steps) // max(1, sum(s.micro_batches for s in steps))
-    calls = {
-        row: statistics.fmean(s.rows.get(row, RowStat()).calls for s in steps)
-        for rows in GROUP_ROWS.values()
-        for row in rows
-    }
     share = {"lora_fwd": 0.0, "lora_bwd": 0.0, "lora_fwd_calls": 0.0, "lora_bwd_calls": 0.0}
-    device = profiler.device
     for group_name, group in profiler.groups.items():
         if not len(group.lora_A) or tokens == 0:
             continue
-        forward_row, backward_row = GROUP_ROWS[group_name]
-        count = len(group.names)
-        x = torch.randn(tokens, group.weights[0].shape[1], device=device, dtype=profiler.dtype)
-        x.requires_grad_(True)
-        dy = torch.randn(tokens, sum(group.out_features), device=device, dtype=profiler.dtype)
-        params = [x, *group.lora_A.values(), *group.lora_B.values()]
-
-        def with_lora(group=group, x=x):
-            return group(x)
-
-        def without_lora(group=group, x=x, count=count):
-            return lora_linear(
-                x, group.weights, group.biases, [None] * count, [None] * count, 0.0, buffer=group.scratch
-            )
-
-        def both_ways(call, inputs, dy=dy):
-            torch.autograd.grad(call(), inputs, dy)
-
-        repeats = 10 if device.type == "cuda" else 7
-        fwd = _best_ms(with_lora, device, repeats) - _best_ms(without_lora, device, repeats)
-        total = _best_ms(lambda call=with_lora, p=params: both_ways(call, p), device, repeats) - _best_ms(
-            lambda call=without_lora, x=x: both_ways(call, [x]), device, repeats
-        )
-        share["lora_fwd"] += max(0.0, fwd) * calls[forward_row]
-        share["lora_bwd"] += max(0.0, total - fwd) * calls[backward_row]
-        share["lora_fwd_calls"] += calls[forward_row]
-        share["lora_bwd_calls"] += calls[backward_row]
+        forward, backward = _lora_ms(group, tokens, profiler.device, profiler.dtype)
+        for name, row, ms in zip(LORA_ROWS, GROUP_ROWS[group_name], (forward, backward), strict=True):
+            calls = statistics.fmean(s.rows.get(row, RowStat()).calls for s in steps)
+            share[name] += ms * calls
+            share[f"{name}_calls"] += calls
     return share
 
 
@@ -615,11 +616,7 @@ def _throughput(row: Row, stat: RowStat, calibration: Calibration) -> None:
         row.roofline_percent = 100.0 * stat.bytes / seconds / peak_bytes
 
 
-def build_report(
-    profiler: OpProfiler, steps: list[StepRecord], calibration: Calibration, lora: dict[str, float] | None
-) -> ProfileReport:
-    count = len(steps)
-    step_ms = statistics.fmean(s.total_ms for s in steps)
+def _summed(steps: list[StepRecord]) -> dict[str, RowStat]:
     summed: dict[str, RowStat] = {}
     for record in steps:
         for name, stat in record.rows.items():
@@ -629,6 +626,26 @@ def build_report(
             total.recomputed += stat.recomputed
             total.flops += stat.flops
             total.bytes += stat.bytes
+    return summed
+
+
+NOTES = (
+    "rows are summed over layers and micro-batches and averaged over the counted steps; "
+    "total is the wall clock of the whole step between two synchronizes",
+    "attn_bwd is attention alone (o_proj_bwd is its own row); norm_bwd is both layer norms' "
+    "backward; rope/rope_bwd hold RoPE with the fused QK-norm; final_norm and lm_head_loss "
+    "hold forward and backward together",
+)
+LORA_SECTION = "LoRA, inside the gemm rows"
+GEMM_ROWS = "qkv_gemm, o_proj, gate_up_gemm, down_gemm and their _bwd rows"
+
+
+def build_report(
+    profiler: OpProfiler, steps: list[StepRecord], calibration: Calibration, lora: dict[str, float]
+) -> ProfileReport:
+    count = len(steps)
+    step_ms = statistics.fmean(s.total_ms for s in steps)
+    summed = _summed(steps)
     rows: list[Row] = []
     sections = (
         ("layer forward", LAYER_FORWARD),
@@ -638,67 +655,37 @@ def build_report(
     for section, names in sections:
         for name in names:
             stat = summed.get(name, RowStat())
-            row = Row(
-                name,
-                section,
-                stat.ms / count,
-                100.0 * stat.ms / count / step_ms,
-                stat.calls / count,
-                stat.recomputed / count,
-            )
+            ms = stat.ms / count
+            row = Row(name, section, ms, 100.0 * ms / step_ms, stat.calls / count, stat.recomputed / count)
             _throughput(row, stat, calibration)
             rows.append(row)
     attributed = sum(r.ms for r in rows)
-    notes = [
-        "rows are summed over layers and micro-batches and averaged over the counted steps; "
-        "total is the wall clock of the whole step between two synchronizes",
-        "attn_bwd is attention alone (o_proj_bwd is its own row); norm_bwd is both layer norms' "
-        "backward; rope/rope_bwd hold RoPE with the fused QK-norm; final_norm and lm_head_loss "
-        "hold forward and backward together",
-    ]
-    gemm_rows = "qkv_gemm, o_proj, gate_up_gemm, down_gemm and their _bwd rows"
-    if lora is not None and lora["lora_fwd_calls"]:
-        for name in LORA_ROWS:
-            ms = lora[name]
-            rows.append(
-                Row(
-                    name,
-                    "LoRA, inside the gemm rows",
-                    ms,
-                    100.0 * ms / step_ms,
-                    lora[f"{name}_calls"],
-                    part_of=gemm_rows,
-                )
-            )
-        notes.append(
-            "lora_fwd/lora_bwd: LoRA is fused into the projection calls, so its time is inside the gemm rows; "
-            "these two rows are measured apart (each projection group with and without LoRA at the step's "
-            "tokens per micro-batch, times its calls) and are not added into the total"
-        )
-    else:
-        for name in LORA_ROWS:
-            rows.append(Row(name, "LoRA, inside the gemm rows", 0.0, 0.0, 0.0, part_of=gemm_rows))
-        notes.append(
-            "lora_fwd/lora_bwd: not measured (no LoRA on the timed projections, or measurement skipped)"
-        )
+    notes = list(NOTES)
     recomputed = sum(r.recomputed for r in rows)
     if recomputed:
         notes.append(
             f"gradient checkpointing: {recomputed:g} forward calls per step are recomputes in backward, "
             "counted under their forward rows"
         )
-    rows.append(
-        Row("unattributed", "step", step_ms - attributed, 100.0 * (step_ms - attributed) / step_ms, 0.0)
-    )
-    rows.append(Row("total", "step", step_ms, 100.0, float(count and 1)))
-    if len(steps) < len(profiler.steps):
-        warmup = len(profiler.steps) - len(steps)
+    for name in LORA_ROWS:
+        ms = lora[name]
+        rows.append(
+            Row(name, LORA_SECTION, ms, 100.0 * ms / step_ms, lora[f"{name}_calls"], part_of=GEMM_ROWS)
+        )
+    if lora["lora_fwd_calls"]:
+        notes.append(
+            "lora_fwd/lora_bwd: LoRA is fused into the projection calls, so its time is inside the gemm "
+            "rows; these two rows are measured apart (each projection group with and without LoRA at the "
+            "step's tokens per micro-batch, times its calls) and are not added into the total"
+        )
     else:
-        warmup = 0
-        if profiler.warmup_steps:
-            notes.append(
-                "every profiled step was counted, warm-up included: the run had no steps past warm-up"
-            )
+        notes.append("lora_fwd/lora_bwd: no LoRA on the timed projections")
+    unattributed = step_ms - attributed
+    rows.append(Row("unattributed", "step", unattributed, 100.0 * unattributed / step_ms, 0.0))
+    rows.append(Row("total", "step", step_ms, 100.0, 1.0))
+    warmup = len(profiler.steps) - count
+    if profiler.warmup_steps and not warmup:
+        notes.append("every profiled step was counted, warm-up included: the run had no step past warm-up")
     return ProfileReport(
         device=str(profiler.device),
         steps=count,
@@ -814,7 +801,7 @@ def write_trace(step: Callable[[], object], path: Path, device: torch.device) ->
 
 
 def profile(
-    config,
+    config: TrainConfig,
     *,
     steps: int = 3,
     warmup: int = 1,
@@ -858,9 +845,13 @@ def profile(
     return report
 
 
-def profiled_train(config, *, console: Console | None = None):
-    """`qlora train --profile`: the ordinary run with every step timed; (TrainResult, report).
-    The first step is left out as warm-up when the run has more."""
+def profiled_train(
+    config: TrainConfig, *, console: Console | None = None
+) -> tuple[TrainResult, ProfileReport]:
+    """`qlora train --profile`: the ordinary run with every step timed, and its report.
+
+    The first step is left out as warm-up when the run has more; peaks are measured after the run.
+    """
     from qlora_cli.train import train
 
     profiler = OpProfiler(warmup_steps=1)

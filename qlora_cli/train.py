@@ -416,7 +416,7 @@ def _train(
                 name = signal.Signals(stop_signal).name
                 raise RunInterrupted(
                     f"{name} received: stopped after step {done}, checkpoint saved in {last_checkpoint}; "
-                    f"continue with `qlora resume {output_dir}`",
+                    f"continue with `qlora resume {output_dir}{dist.resume_option}`",
                     stop_signal,
                 )
     if last_checkpoint is not None and dist.is_main:

@@ -23,6 +23,7 @@ MODEL_FILES = {
     "vocab.json": b"{}",
     "merges.txt": b"#version: 0.2\n",
     "added_tokens.json": b"{}",
+    "chat_template.jinja": b"{{ messages }}",
 }
 NEVER_FETCHED = {
     "README.md": b"# tiny",

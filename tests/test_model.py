@@ -98,3 +98,24 @@ def test_packed_documents_do_not_see_each_other(checkpoint, backend):
         together = model(packed, positions, doc_ids)
         alone = torch.cat([model(doc) for doc in docs], dim=1)
     assert (together - alone).abs().max().item() < 1e-4
+
+
+def test_recomputed_layers_give_the_same_loss_and_gradients(checkpoint, reference_ops):
+    """Gradient checkpointing changes memory, never numbers."""
+    kind, folder = checkpoint
+    ids = _tokens(160)
+    results = []
+    for recomputed in (0, 1, 2):
+        model = QLoRAModel.from_pretrained(
+            folder, lora=LoRAConfig(r=4, train_norms=True), checkpoint_layers=recomputed
+        )
+        for b in (b for layer in model.layers for g in layer.projections.values() for b in g.lora_B.values()):
+            torch.nn.init.normal_(b, std=0.02, generator=torch.Generator().manual_seed(b.numel()))
+        loss_sum, _ = model.train().loss(ids, ids.roll(-1, dims=1))
+        loss_sum.backward()
+        results.append((loss_sum.detach(), [p.grad for p in model.trainable_parameters()]))
+    for loss, grads in results[1:]:
+        assert torch.allclose(loss, results[0][0], rtol=1e-6)
+        assert all(
+            torch.allclose(g, g0, rtol=1e-5, atol=1e-7) for g, g0 in zip(grads, results[0][1], strict=True)
+        )

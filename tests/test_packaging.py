@@ -174,8 +174,9 @@ def venv(tmp_path_factory) -> Venv:
 
 
 @pytest.fixture(scope="module")
-def docker_install(venv, tmp_path_factory) -> Venv:
-    """The Dockerfile's pip install, run as written on the files its COPY lines would put in the image."""
+def docker_install(venv, tmp_path_factory) -> Path:
+    """The Dockerfile's pip install, run as written on the files its COPY lines put in the image;
+    returns the image's file tree."""
     instructions, rules = _instructions(), _dockerignore()
     image = tmp_path_factory.mktemp("image")
     for sources, destination in _copies(instructions):
@@ -193,7 +194,7 @@ def docker_install(venv, tmp_path_factory) -> Venv:
     workdir, args = _pip_install_step(instructions)
     image_args = [str(image / arg.lstrip("/")) if arg.startswith("/") else arg for arg in args]
     venv.pip("install", *image_args, cwd=image / workdir.lstrip("/"))
-    return venv
+    return image
 
 
 @pytest.fixture(scope="module")
@@ -222,12 +223,12 @@ def dist(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel_venv(docker_install, dist) -> Venv:
+def wheel_venv(venv, docker_install, dist) -> Venv:
     """The shared venv with the Docker step's qlora swapped for the wheel built from the sdist."""
-    docker_install.pip("uninstall", "-y", "qlora-cli")
+    venv.pip("uninstall", "-y", "qlora-cli")
     (wheel,) = dist.glob("*.whl")
-    docker_install.pip("install", wheel)
-    return docker_install
+    venv.pip("install", wheel)
+    return venv
 
 
 def test_dockerfile_copies_exist_and_pass_dockerignore():
@@ -266,13 +267,24 @@ def test_hadolint_finds_nothing():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_dockerfile_install_step_gives_a_working_qlora(docker_install):
-    proc = docker_install.run(docker_install.bin("qlora"), "--help")
-    assert proc.returncode == 0 and "train" in proc.stdout and "resume" in proc.stdout, proc.stderr
-    where = docker_install.run(
-        docker_install.bin("python"), "-c", "import qlora_cli; print(qlora_cli.__file__)"
+def test_dockerfile_install_step_gives_a_working_qlora(venv, docker_install, tmp_path):
+    """The image's own smoke test from the README: the shipped demo, run where the image keeps it."""
+    where = venv.run(venv.bin("python"), "-c", "import qlora_cli; print(qlora_cli.__file__)")
+    assert Path(where.stdout.strip()).is_relative_to(venv.path), where.stdout + where.stderr
+    workdir, _ = _pip_install_step(_instructions())
+    proc = venv.run(
+        venv.bin("qlora"),
+        "train",
+        "configs/demo.yaml",
+        "--set",
+        "max_steps=1",
+        "--set",
+        f"output_dir={tmp_path}",
+        cwd=docker_install / workdir.lstrip("/"),
+        timeout=300,
     )
-    assert Path(where.stdout.strip()).is_relative_to(docker_install.path), where.stdout + where.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "adapter_model.safetensors").is_file()
 
 
 def test_build_gives_a_wheel_and_an_sdist(dist):
