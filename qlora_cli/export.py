@@ -25,21 +25,12 @@ from qlora_cli.adapter import PREFIX, adapter_config, adapter_state_dict, load_a
 from qlora_cli.checkpoint import latest_checkpoint, read_checkpoint_config, read_trainer_state
 from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError
-from qlora_cli.hub import resolve_model
+from qlora_cli.hub import TOKENIZER_FILES, resolve_model
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.train import compute_dtype
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 
 ADAPTER_FILE = "adapter_model.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
 BASES = ("original", "nf4")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"

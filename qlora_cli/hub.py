@@ -28,11 +28,7 @@ from huggingface_hub.utils import (
 
 from qlora_cli.errors import QLoraError
 
-MODEL_FILE_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -40,6 +36,13 @@ MODEL_FILE_PATTERNS = (
     "merges.txt",
     "added_tokens.json",
     "chat_template.jinja",
+)
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_FILES,
 )
 _DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)

@@ -1,6 +1,7 @@
 """Shared test set-up: the Triton interpreter on CPU machines, and the gpu marker."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -23,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
 def reference_ops(monkeypatch):
     """Run the public kernel functions on their torch references (the CPU path users get)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
+    from qlora_cli.cli import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["qlora", *map(str, args)])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        out, err = capsys.readouterr()
+        return exit_info.value.code, out, err
+
+    return run

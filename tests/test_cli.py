@@ -11,24 +11,8 @@ import yaml
 from checkpoints import write_run
 from safetensors.torch import load_file, save_file
 
-from qlora_cli.cli import main
-
+pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def run_cli(monkeypatch, capsys, reference_ops):
-    """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["qlora", *map(str, args)])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-        out, err = capsys.readouterr()
-        return exit_info.value.code, out, err
-
-    return run
 
 
 def _one_error_line(err: str) -> str:

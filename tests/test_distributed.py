@@ -110,8 +110,13 @@ def test_torchrun_environment_must_be_complete(monkeypatch):
 @pytest.mark.parametrize(
     "accumulation, settings",
     [
-        (1, dict(sample_packing=True, val_set_size=6, eval_steps=2, save_steps=2)),
-        (2, dict(gradient_checkpointing=True, train_norms=True, max_grad_norm=0)),
+        (1, dict(sample_packing=True, save_steps=2)),
+        (
+            2,
+            dict(
+                gradient_checkpointing=True, train_norms=True, max_grad_norm=0, val_set_size=8, eval_steps=2
+            ),
+        ),
     ],
     ids=["qlora-nproc", "torchrun-accumulating"],
 )

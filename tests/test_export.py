@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,13 @@ from safetensors.torch import load_file, save_file
 from kernels.nf4 import dequantize_nf4, quantize_nf4
 from qlora_cli.adapter import load_adapter_state
 from qlora_cli.checkpoint import read_checkpoint_config, save_checkpoint
-from qlora_cli.cli import main
 from qlora_cli.config import config_from_dict
 from qlora_cli.errors import QLoraError
 from qlora_cli.export import export, lora_config, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
 from qlora_cli.weights import read_spec
 
+pytestmark = pytest.mark.usefixtures("reference_ops")
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
 # Qwen2 (q/k/v bias, tied embeddings): some targets, rsLoRA. Qwen3 (QK-norm, untied): all targets, norms trained.
 CASES = {
@@ -231,21 +230,6 @@ def test_parse_size(text, size):
 def test_parse_size_refuses_nonsense(text):
     with pytest.raises(QLoraError, match="--max-shard-size"):
         parse_size(text)
-
-
-@pytest.fixture
-def run_cli(monkeypatch, capsys, reference_ops):
-    """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["qlora", *map(str, args)])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-        out, err = capsys.readouterr()
-        return exit_info.value.code, out, err
-
-    return run
 
 
 def error_line(result) -> str:

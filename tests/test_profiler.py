@@ -1,14 +1,12 @@
 """The per-op profiler: every row there, rows that add up to the measured step, nothing when off."""
 
 import json
-import sys
 
 import pytest
 import torch
 from checkpoints import write_run
 
 from qlora_cli import profiler
-from qlora_cli.cli import main
 from qlora_cli.config import load_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.profiler import OpProfiler, active_profiler, region
@@ -34,21 +32,6 @@ ORIGINAL_ROWS = (
     "lora_bwd",
 )
 REQUIRED_ROWS = (*ORIGINAL_ROWS, "embedding", "lm_head_loss", "optimizer", "data", "unattributed", "total")
-
-
-@pytest.fixture
-def run_cli(monkeypatch, capsys):
-    """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["qlora", *map(str, args)])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-        out, err = capsys.readouterr()
-        return exit_info.value.code, out, err
-
-    return run
 
 
 def _check_adds_up(rows: dict[str, dict]) -> None:
