@@ -71,11 +71,12 @@ def train(
     nproc: NprocOption = 1,
 ) -> None:
     """Train LoRA adapters on an NF4-quantized base model, as CONFIG says."""
+    if profile and (nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise QLoraError("--profile times a single process; profile without --nproc or torchrun")
     if nproc > 1:
         from qlora_cli.distributed import launch_train
 
-        flags = ["--profile"] if profile else []
-        raise typer.Exit(launch_train(nproc, config, set_ or (), flags))
+        raise typer.Exit(launch_train(nproc, config, set_ or ()))
     from qlora_cli.config import load_config
 
     if profile:

@@ -296,10 +296,10 @@ def _set_options(overrides) -> list[str]:
     return [f"--set={text}" for text in overrides]
 
 
-def launch_train(nproc: int, config_path: Path, overrides=(), flags=()) -> int:
-    """`qlora train CONFIG [FLAGS]` in `nproc` processes; a bad config is one error here, before any starts."""
+def launch_train(nproc: int, config_path: Path, overrides=()) -> int:
+    """`qlora train CONFIG` in `nproc` processes; a bad config is one error here, before any starts."""
     load_config(config_path, overrides)
-    return _launch(nproc, ["train", str(config_path), *_set_options(overrides), *flags])
+    return _launch(nproc, ["train", str(config_path), *_set_options(overrides)])
 
 
 def launch_resume(nproc: int, output_dir: Path, checkpoint: Path | None = None, overrides=()) -> int:

@@ -152,3 +152,9 @@ def test_train_through_the_cli(tmp_path, run_cli):
     code, _, err = run_cli("train", config, "--set", "max_steps=3")
     assert code == 0 and "done: 3 steps" in err
     assert os.path.isfile(tmp_path / "run" / "out" / "checkpoint-3" / "adapter_model.safetensors")
+
+
+def test_profile_refuses_several_processes(tmp_path, run_cli):
+    config = write_run(tmp_path / "run")
+    code, _, err = run_cli("train", config, "--profile", "--nproc", "2")
+    assert code == 2 and "--profile times a single process" in _one_error_line(err)
