@@ -27,7 +27,6 @@ from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import TOKENIZER_FILES, resolve_model
 from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.train import compute_dtype
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -85,17 +84,17 @@ def lora_config(config: TrainConfig) -> LoRAConfig:
     )
 
 
-def training_dtype(config: TrainConfig, state: dict) -> torch.dtype:
-    """The compute dtype the run trained in: the dtype its NF4 weights were quantized from and dequantized to.
+def training_dtype(state: dict) -> torch.dtype:
+    """The compute dtype the run trained in, as trainer_state.json records it.
 
     `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
     gives that dtype back, so the weights the adapter learned against are
-    dequantize_nf4(quantize_nf4(W.to(compute dtype))). The compute dtype is `train.compute_dtype` of the
-    run's device: config.device, or for `device: auto` CUDA exactly when trainer_state.json holds a CUDA
-    RNG state (written only by runs on CUDA).
+    dequantize_nf4(quantize_nf4(W.to(compute dtype))).
     """
-    on_cuda = config.device == "cuda" or (config.device == "auto" and "cuda" in state.get("rng", {}))
-    return compute_dtype(config, torch.device("cuda" if on_cuda else "cpu"))
+    name = state.get("compute_dtype")
+    if name not in DTYPES:
+        raise QLoraError("trainer_state.json does not record the run's compute dtype; --base nf4 needs it")
+    return DTYPES[name]
 
 
 def nf4_round_trip(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,7 +352,7 @@ def export(
     skeleton = QLoRAModel(spec, lora_config(config))
     adapter = _read_adapter(checkpoint, skeleton, base_folder)
 
-    round_trip = training_dtype(config, state) if merged and base == "nf4" else None
+    round_trip = training_dtype(state) if merged and base == "nf4" else None
     temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     shards = 0
     try:

@@ -299,8 +299,8 @@ def _save(run: Run, step: int, metrics: list[dict]) -> Path:
         "epoch": epoch,
         "batch_index": index,
         "world_size": dist.world_size,
-        "rng": rng[0],
-        "rng_per_rank": rng,
+        "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
+        "rng": rng,
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
         "metrics": metrics[-100:],
     }
@@ -347,7 +347,7 @@ def _train(
     if resume_from is not None:
         state = load_checkpoint(resume_from, run.model, run.optimizer)
         start, metrics = state["step"], list(state.get("metrics", []))
-        _set_rng_state(state.get("rng_per_rank", [state["rng"]])[dist.rank], run.device)
+        _set_rng_state(state["rng"][dist.rank], run.device)
         console.print(f"resuming from {resume_from} at step {start}")
     else:
         torch.manual_seed(config.seed + dist.rank)

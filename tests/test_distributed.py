@@ -152,7 +152,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(
         assert b["trained_tokens"] == a["trained_tokens"] and b["epoch"] == a["epoch"]
     state = _state(two / "checkpoint-4")
     assert state["world_size"] == 2 and state["batch_index"] == _state(one.checkpoint)["batch_index"]
-    assert len(state["rng_per_rank"]) == 2 and state["rng_per_rank"][0] != state["rng_per_rank"][1]
+    assert len(state["rng"]) == 2 and state["rng"][0] != state["rng"][1]
     assert (two / "adapter_model.safetensors").is_file()
 
 

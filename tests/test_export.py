@@ -6,17 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
+from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3, write_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kernels.nf4 import dequantize_nf4, quantize_nf4
 from qlora_cli.adapter import load_adapter_state
-from qlora_cli.checkpoint import read_checkpoint_config, save_checkpoint
-from qlora_cli.config import config_from_dict
+from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
+from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.errors import QLoraError
 from qlora_cli.export import export, lora_config, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
+from qlora_cli.train import compute_dtype, train
 from qlora_cli.weights import read_spec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
@@ -48,7 +49,8 @@ def make_run(folder: Path, kind: str, **settings) -> Path:
             param.add_(0.1 * torch.randn(param.shape, generator=generator))
     optimizer = torch.optim.AdamW(model.trainable_parameters())
     metrics = [{"step": STEPS, "loss": 2.5, "eval_loss": 2.75}]
-    state = {"step": STEPS, "total_steps": STEPS, "metrics": metrics, "rng": {"cpu": []}}
+    dtype = str(compute_dtype(config, torch.device("cpu"))).removeprefix("torch.")
+    state = {"step": STEPS, "total_steps": STEPS, "metrics": metrics, "compute_dtype": dtype}
     save_checkpoint(Path(config.output_dir), STEPS, model, optimizer, state, config)
     return Path(config.output_dir)
 
@@ -158,15 +160,12 @@ def test_nf4_base_is_the_round_trip_in_the_training_dtype(tmp_path, reference_op
     assert max_error(dequantize_nf4(quantize_nf4(original.to(other))).float(), trained_against) > 1e-4
 
 
-def test_training_dtype_follows_the_run_device():
-    def config(**keys):
-        return config_from_dict({"base_model": "x", "datasets": [{"path": "x"}], **keys})
-
-    assert training_dtype(config(device="cpu"), {}) == torch.float32
-    assert training_dtype(config(device="auto"), {"rng": {"cpu": [], "cuda": []}}) == torch.bfloat16
-    assert training_dtype(config(device="auto"), {"rng": {"cpu": []}}) == torch.float32
-    assert training_dtype(config(device="cpu", bf16=True), {}) == torch.bfloat16
-    assert training_dtype(config(device="cuda", bf16=False), {}) == torch.float32
+def test_training_dtype_is_what_the_run_recorded(tmp_path):
+    result = train(load_config(write_run(tmp_path / "run", max_steps=1, bf16=True)))
+    state = read_trainer_state(result.checkpoint)
+    assert state["compute_dtype"] == "bfloat16" and training_dtype(state) == torch.bfloat16
+    with pytest.raises(QLoraError, match="does not record the run's compute dtype"):
+        training_dtype({"step": 1})
 
 
 def test_small_shards_hold_every_tensor_once(tmp_path):
