@@ -26,7 +26,8 @@ from qlora_cli.checkpoint import latest_checkpoint, read_checkpoint_config, read
 from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import TOKENIZER_FILES, resolve_model
-from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model import QLoRAModel
+from qlora_cli.train import lora_config
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -71,17 +72,6 @@ def find_checkpoint(path: Path) -> Path:
             f"{path} holds no complete checkpoint (a checkpoint-<step> folder with trainer_state.json)"
         )
     return found
-
-
-def lora_config(config: TrainConfig) -> LoRAConfig:
-    return LoRAConfig(
-        r=config.lora_r,
-        alpha=config.lora_alpha,
-        dropout=config.lora_dropout,
-        target_modules=tuple(config.target_modules),
-        use_rslora=config.peft_use_rslora,
-        train_norms=config.train_norms,
-    )
 
 
 def training_dtype(state: dict) -> torch.dtype:

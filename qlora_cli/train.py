@@ -85,6 +85,18 @@ def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
     return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def lora_config(config: TrainConfig) -> LoRAConfig:
+    """The adapter shape a config asks for."""
+    return LoRAConfig(
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.target_modules),
+        use_rslora=config.peft_use_rslora,
+        train_norms=config.train_norms,
+    )
+
+
 def _local_dataset(dataset):
     """A dataset path that is not on disk is a hub dataset repo id."""
     if Path(dataset.path).exists():
@@ -155,14 +167,7 @@ def build_run(config: TrainConfig, dist: Distributed | None = None) -> Run:
     eval_plan = BatchPlan(eval_examples, **plan_args) if eval_examples else None
     batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
-    lora = LoRAConfig(
-        r=config.lora_r,
-        alpha=config.lora_alpha,
-        dropout=config.lora_dropout,
-        target_modules=tuple(config.target_modules),
-        use_rslora=config.peft_use_rslora,
-        train_norms=config.train_norms,
-    )
+    lora = lora_config(config)
     tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
     checkpointed = layers_to_checkpoint(
         config.gradient_checkpointing, spec, tokens_per_micro_batch, config.memory_budget_gb, config.lora_r

@@ -11,6 +11,18 @@ DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Every weight random (biases and norms too), so no code path hides behind zeros or ones."""
     generator = torch.Generator().manual_seed(seed)
@@ -29,19 +41,13 @@ def write_qwen2(
     """Qwen2: q/k/v bias, tied embeddings, GQA (4 query heads on 2 kv heads)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    settings = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
-    settings.update(overrides)
+    settings = {
+        **TINY,
+        "vocab_size": vocab_size,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        **overrides,
+    }
     return _save(Qwen2ForCausalLM(Qwen2Config(**settings)), folder, seed, dtype)
 
 
@@ -51,20 +57,7 @@ def write_qwen3(
     """Qwen3: QK-norm, untied lm_head, head_dim (24) unlike hidden / heads (16), no q/k/v bias."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    settings = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=256,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
-    settings.update(overrides)
+    settings = {**TINY, "vocab_size": vocab_size, "head_dim": 24, "tie_word_embeddings": False, **overrides}
     return _save(Qwen3ForCausalLM(Qwen3Config(**settings)), folder, seed, dtype)
 
 

@@ -15,9 +15,9 @@ from qlora_cli.adapter import load_adapter_state
 from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.errors import QLoraError
-from qlora_cli.export import export, lora_config, parse_size, training_dtype
+from qlora_cli.export import export, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
-from qlora_cli.train import compute_dtype, train
+from qlora_cli.train import compute_dtype, lora_config, train
 from qlora_cli.weights import read_spec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
