@@ -94,6 +94,11 @@ def run_hf(args, liger: bool) -> dict:
         attn_implementation="sdpa",
     )
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing != "false")
+    # That call casts embeddings, norms and biases to fp32; trainers (Axolotl among them) cast them back,
+    # so the baseline computes in bf16 as users run it.
+    for param in model.parameters():
+        if param.dtype == torch.float32 and type(param).__name__ != "Params4bit":
+            param.data = param.data.to(torch.bfloat16)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
@@ -157,6 +162,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.checkpointing == "auto" and args.budget_gb is None:
+        parser.error("--checkpointing auto needs --budget-gb")
     if args.worker:
         print("RESULT " + json.dumps(RUNNERS[args.worker](args)), flush=True)
         return

@@ -28,7 +28,7 @@ BF16 = torch.bfloat16
 
 
 def measure(fn: Callable[[], None]) -> tuple[float, float]:
-    """Median ms of fn and the peak memory (GiB) it allocates above what was live before."""
+    """Mean ms of fn (do_bench's default) and the peak memory (GiB) it allocates above what was live before."""
     fn()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -194,6 +194,8 @@ def profile(
     set_: SetOption = None,
 ) -> None:
     """Time each op of a training step as CONFIG sets it up, forward and backward; writes no checkpoints."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise QLoraError("qlora profile times a single process; run it without torchrun")
     from qlora_cli.config import load_config
     from qlora_cli.profiler import print_report
     from qlora_cli.profiler import profile as run_profile

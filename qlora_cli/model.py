@@ -228,6 +228,8 @@ class QLoRAModel(nn.Module):
         folder = resolve_model(str(path_or_repo_id), revision)
         spec = read_spec(folder)
         device = torch.device(device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # Triton launches on the current device, not the tensor's
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = cls.on_device(

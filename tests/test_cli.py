@@ -158,3 +158,9 @@ def test_profile_refuses_several_processes(tmp_path, run_cli):
     config = write_run(tmp_path / "run")
     code, _, err = run_cli("train", config, "--profile", "--nproc", "2")
     assert code == 2 and "--profile times a single process" in _one_error_line(err)
+
+
+def test_profile_refuses_torchrun(tmp_path, run_cli, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run_cli("profile", write_run(tmp_path / "run"))
+    assert code == 2 and "times a single process" in _one_error_line(err)
