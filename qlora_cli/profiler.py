@@ -345,12 +345,16 @@ class OpProfiler:
         if marking:
             args = self._mark(args, False, backward_row, None)
         opened = self.stamp(True, name)
-        if self.annotate:
-            with torch.profiler.record_function(name):
+        try:
+            if self.annotate:
+                with torch.profiler.record_function(name):
+                    out = fn(*args, **kwargs)
+            else:
                 out = fn(*args, **kwargs)
-        else:
-            out = fn(*args, **kwargs)
-        self.stamp(False, name)
+        finally:
+            # Checkpointing ends a recompute by raising out of the op that saves the layer's last
+            # tensor; the row closes there, or that op's backward would be counted under it.
+            self.stamp(False, name)
         work = work_of(args, out[0] if isinstance(out, tuple) else out)
         opened.flops, opened.bytes = work.flops, work.bytes
         self._note_call(name, fn, args)

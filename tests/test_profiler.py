@@ -173,3 +173,21 @@ def test_cli_profile_bad_options(tmp_path, run_cli, args, message):
     code, _, err = run_cli("profile", config, *args)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_forward_rows_close_when_a_recompute_stops_early(tmp_path):
+    """Every forward row that opens closes, also the one a checkpoint recompute stops in."""
+    config = load_config(write_run(tmp_path / "run"))
+    model = QLoRAModel.from_pretrained(config.base_model, lora=LoRAConfig(r=4), checkpoint_layers=2).train()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    watcher = OpProfiler()
+    with watcher.step("cpu"):
+        loss, _ = model.loss(ids, ids)
+        loss.backward()
+    open_forward: dict[str, int] = {}
+    for stamp in watcher._timeline:
+        if not stamp.backward and stamp.row is not None:
+            open_forward[stamp.row] = open_forward.get(stamp.row, 0) + (1 if stamp.opens else -1)
+    assert open_forward and set(open_forward.values()) == {0}
+    rows = watcher._resolve()
+    assert rows["down_gemm"].recomputed == 2 and rows["down_bwd"].calls == 2
