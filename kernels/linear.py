@@ -5,18 +5,20 @@ One call computes, for P projections side by side (P=3 fused QKV, P=2 gate/up, P
     y = concat_p( x @ W_p^T + bias_p + scaling * (lora_x @ A_p^T) @ B_p^T )
 
 The frozen weights are dequantized into a scratch buffer shared across layers and multiplied by
-cuBLAS. The LoRA branch first runs one rank-r GEMM for all projections, t = lora_x @ A_cat^T, and
-then joins the base GEMM in whichever way moves fewer bytes:
-  - folded (sum(out) >= 2 in, e.g. gate/up): the scratch matrix gets B_p as extra columns and
-    the input gets scaling * t, so one GEMM over K = in + ranks yields everything; costs a copy
-    of x.
-  - added (otherwise, e.g. qkv, o, down): scaling * t_p @ B_p^T is added into y's columns in
-    place; costs a read and write of y.
-On an H200 at 8192 tokens of Qwen2.5-7B, folding took gate/up from 3.72 to 3.43 ms forward; for
-qkv, where x and y are about the same size, the two were within noise of each other.
-Backward re-dequantizes W instead of keeping it and goes through the small rank first, so
-nothing of size out x in outlives a call. The only Triton kernel on this path is the NF4
-dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so this module has none of its own.
+cuBLAS. The LoRA factors ride along in that one GEMM as extra rows or columns of the scratch
+matrix, so the rank-r products cost a few percent more N or K instead of GEMMs of their own,
+which at N or K = r run far below the H200's peak:
+  - B as extra columns (sum(out) >= 2 in, e.g. gate/up, or whenever the LoRA input is x after
+    dropout): t = lora_x @ A_cat^T first, then [x | scaling * t] @ [W | B]^T; costs a copy of x.
+  - A as extra rows (otherwise, e.g. qkv, o, down): x @ [W ; A_cat]^T yields y and t side by
+    side, then y += scaling * t @ B^T in one pass over y.
+  - NF4 rows that are not whole blocks cannot be dequantized beside extra columns; there B is
+    applied by its own GEMMs (only tiny test models have such rows).
+Backward re-dequantizes W instead of keeping it and goes through the small rank first: with B
+as extra columns, dY @ [W | B] gives dX and g = dY @ B in one GEMM, so nothing of size out x in
+outlives a call. A checkpoint recompute can skip the GEMM (`need_output=False`): backward needs
+only x and t. The only Triton kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs
+are cuBLAS through torch, so this module has none of its own.
 
 Numerics: everything is computed in x.dtype with fp32 accumulation (cuBLAS); the fp32 LoRA
 master weights are cast to x.dtype for the matmuls and get their gradients back in fp32.
@@ -45,16 +47,30 @@ def _total_rank(lora_a: Sequence[torch.Tensor | None]) -> int:
     return sum(a.shape[0] for a in lora_a if a is not None)
 
 
-def _folds_lora(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None]) -> bool:
-    """Fold LoRA into the base GEMM when copying x is clearly cheaper than rewriting y."""
-    return _total_rank(lora_a) > 0 and sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
+def _takes_extra_columns(weights: Sequence[FrozenWeight]) -> bool:
+    """NF4 dequantizes into rows wider than the weight only when its rows are whole blocks."""
+    return all(not isinstance(w, NF4Weight) or _in_features(w) % w.blocksize == 0 for w in weights)
+
+
+def _lora_layout(weights: Sequence[FrozenWeight], shared_input: bool) -> str:
+    """How the forward GEMM carries LoRA: B as extra "columns" when copying x is clearly cheaper
+    than rewriting y, A as extra "rows" otherwise; A needs the LoRA input to be x itself (no
+    dropout), so a separate input whose B cannot become columns gets it "added" into y."""
+    wide = sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
+    if shared_input and not (wide and _takes_extra_columns(weights)):
+        return "rows"
+    return "columns" if _takes_extra_columns(weights) else "added"
 
 
 def buffer_numel(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None] = ()) -> int:
-    """Scratch size (elements) one call needs; size a buffer shared across layers with the
-    largest projection group of a layer (gate/up for Qwen)."""
-    columns = _in_features(weights[0]) + (_total_rank(lora_a) if _folds_lora(weights, lora_a) else 0)
-    return sum(_out_features(w) for w in weights) * columns
+    """Scratch size (elements) one call needs: the weights with A as extra rows or B as extra
+    columns. Size a buffer shared across layers with the largest projection group of a layer."""
+    rows, columns, ranks = (
+        sum(_out_features(w) for w in weights),
+        _in_features(weights[0]),
+        _total_rank(lora_a),
+    )
+    return max((rows + ranks) * columns, rows * (columns + ranks))
 
 
 # ----------------------------------------------------------------------------- reference
@@ -88,21 +104,24 @@ def _stacked_weight(
     weights: Sequence[FrozenWeight],
     dtype: torch.dtype,
     buffer: torch.Tensor | None,
-    folded_b: Sequence[tuple[torch.Tensor, slice, slice]] = (),
+    *,
+    extra_rows: torch.Tensor | None = None,
+    extra_columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All frozen weights as one [sum(out), in (+ ranks)] matrix in `dtype`, in the scratch.
-
-    `folded_b` lists (B_p, its rank columns, its output rows): each B_p goes into the columns
-    after `in`, the rest of those columns is zero. A single plain weight already in `dtype`
-    with nothing to fold is used as it is.
-    """
+    """All frozen weights as one [sum(out), in] matrix in `dtype`, in the scratch, with
+    `extra_rows` (A, [ranks, in]) below it or `extra_columns` (B, [sum(out), ranks]) beside it.
+    A single plain weight already in `dtype` with nothing added is used as it is."""
     first = weights[0]
-    if not folded_b and len(weights) == 1 and isinstance(first, torch.Tensor) and first.dtype == dtype:
+    adds = extra_rows is not None or extra_columns is not None
+    if not adds and len(weights) == 1 and isinstance(first, torch.Tensor) and first.dtype == dtype:
         return first
     in_features = _in_features(first)
-    ranks = sum(rank_slice.stop - rank_slice.start for _, rank_slice, _ in folded_b)
     rows = sum(_out_features(w) for w in weights)
-    total = rows * (in_features + ranks)
+    shape = (
+        rows + (0 if extra_rows is None else extra_rows.shape[0]),
+        in_features + (0 if extra_columns is None else extra_columns.shape[1]),
+    )
+    total = shape[0] * shape[1]
     if buffer is None:
         buffer = torch.empty(total, dtype=dtype, device=first.device)
     if buffer.dtype != dtype or buffer.numel() < total or not buffer.is_contiguous():
@@ -110,7 +129,7 @@ def _stacked_weight(
             f"buffer must be contiguous {dtype} with at least {total} values (kernels.linear.buffer_numel), "
             f"got {buffer.dtype} with {buffer.numel()}"
         )
-    stacked = buffer.reshape(-1)[:total].view(rows, in_features + ranks)
+    stacked = buffer.reshape(-1)[:total].view(shape)
     start = 0
     for weight in weights:
         block = stacked[start : start + _out_features(weight), :in_features]
@@ -119,12 +138,27 @@ def _stacked_weight(
         else:
             block.copy_(weight)
         start += _out_features(weight)
-    if folded_b:
-        stacked[:, in_features:].zero_()
-        for b, rank_slice, out_slice in folded_b:
-            columns = slice(in_features + rank_slice.start, in_features + rank_slice.stop)
-            stacked[out_slice, columns].copy_(b)
+    if extra_rows is not None:
+        stacked[rows:].copy_(extra_rows)
+    if extra_columns is not None:
+        stacked[:, in_features:].copy_(extra_columns)
     return stacked
+
+
+def _lora_b_columns(lora_b, slices, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every B as one [sum(out), ranks] matrix: B_p in its output rows and rank columns, zeros
+    elsewhere, so one product with it gives each projection its own rank slice."""
+    if len(lora_b) == 1 and lora_b[0].shape[0] == rows:
+        return lora_b[0].to(dtype)
+    ranks = sum(rank_slice.stop - rank_slice.start for rank_slice, _ in slices)
+    columns = lora_b[0].new_zeros(rows, ranks, dtype=dtype)
+    for b, (rank_slice, out_slice) in zip(lora_b, slices, strict=True):
+        columns[out_slice, rank_slice] = b.to(dtype)
+    return columns
+
+
+def _matmul(inputs: torch.Tensor, stacked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return inputs @ stacked.T if bias is None else torch.addmm(bias, inputs, stacked.T)
 
 
 def _stacked_bias(
@@ -165,31 +199,52 @@ def _check_arguments(x, weights, biases, lora_a, lora_b, lora_x) -> None:
 
 class LoRALinearFunction(torch.autograd.Function):
     """Arguments after `scaling`: the frozen weights, biases and scratch buffer (not
-    differentiated), which projections carry LoRA, then their A and B tensors flattened."""
+    differentiated), whether the output is needed, which projections carry LoRA, then their A
+    and B tensors flattened."""
 
     @staticmethod
-    def forward(ctx, x, lora_x, scaling, weights, biases, buffer, lora_index, *lora_params):
+    def forward(ctx, x, lora_x, scaling, weights, biases, buffer, need_output, lora_index, *lora_params):
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
         lora_a, lora_b = lora_params[0::2], lora_params[1::2]
-        slices = list(_lora_slices(weights, lora_index, lora_a))
-        fold = _folds_lora(weights, lora_a)
-        t = lora_rows @ torch.cat([a.to(dtype) for a in lora_a]).T if lora_index else None
-        folded_b = [(b, *where) for b, where in zip(lora_b, slices, strict=True)] if fold else ()
-        stacked = _stacked_weight(weights, dtype, buffer, folded_b)
-        inputs = torch.cat([rows, t * scaling], dim=1) if fold else rows
-        bias = _stacked_bias(biases, weights, x)
-        out = inputs @ stacked.T if bias is None else torch.addmm(bias, inputs, stacked.T)
-        if not fold:
-            for b, (rank_slice, out_slice) in zip(lora_b, slices, strict=True):
-                out[:, out_slice].addmm_(t[:, rank_slice], b.to(dtype).T, alpha=scaling)
+        out_features = sum(_out_features(w) for w in weights)
+        bias = _stacked_bias(biases, weights, x) if need_output else None
+        out = t = None
+        if lora_index:
+            slices = list(_lora_slices(weights, lora_index, lora_a))
+            a_cat = torch.cat([a.to(dtype) for a in lora_a])
+            b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
+            layout = _lora_layout(weights, lora_x is None)
+            if not need_output:
+                t = lora_rows @ a_cat.T
+            elif layout == "rows":
+                # The base GEMM yields t beside y, then y += scaling * t @ B^T.
+                stacked = _stacked_weight(weights, dtype, buffer, extra_rows=a_cat)
+                if bias is not None:
+                    bias = torch.cat([bias, bias.new_zeros(a_cat.shape[0])])
+                joined = _matmul(rows, stacked, bias)
+                t = joined[:, out_features:].contiguous()
+                out = torch.addmm(joined[:, :out_features], t, b_columns.T, alpha=scaling)
+            elif layout == "columns":
+                t = lora_rows @ a_cat.T
+                stacked = _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
+                out = _matmul(torch.cat([rows, t * scaling], dim=1), stacked, bias)
+            else:
+                t = lora_rows @ a_cat.T
+                out = _matmul(rows, _stacked_weight(weights, dtype, buffer), bias)
+                out.addmm_(t, b_columns.T, alpha=scaling)
+        elif need_output:
+            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), bias)
+        if out is None:
+            # A checkpoint recompute only needs what backward saves; this output is never read.
+            out = rows.new_empty(rows.shape[0], out_features)
         ctx.save_for_backward(x, lora_x, t, *lora_params)
         ctx.scaling = scaling
         ctx.weights = weights
         ctx.buffer = buffer
         ctx.lora_index = lora_index
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -199,42 +254,42 @@ class LoRALinearFunction(torch.autograd.Function):
         dtype = x.dtype
         in_features = x.shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        rows = x.reshape(-1, in_features)
-        lora_rows = rows if lora_x is None else lora_x.reshape(-1, in_features)
-
         need_dx = ctx.needs_input_grad[0]
-        need_dlora_x = lora_x is not None and ctx.needs_input_grad[1]
-        dx = None
-        if need_dx:
-            dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
-
+        dx = dlora_x = None
         grads = []
-        dlora_x = None
-        if lora_index:
+        if not lora_index:
+            if need_dx:
+                dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
+        else:
             slices = list(_lora_slices(weights, lora_index, lora_a))
-            # The LoRA gradient goes through the rank first: g_p = dY_p @ B_p, [tokens, r].
-            g = torch.cat(
-                [dy[:, out_slice] @ lora_b[slot].to(dtype) for slot, (_, out_slice) in enumerate(slices)],
-                dim=1,
-            )
-            route_to_x = lora_x is None
-            if (route_to_x and need_dx) or need_dlora_x:
-                a_cat = torch.cat([a.to(dtype) for a in lora_a])
-                if route_to_x:
+            b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
+            a_cat = torch.cat([a.to(dtype) for a in lora_a])
+            # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks]; with B as
+            # extra weight columns the dX GEMM yields it, and dX comes back as a row-strided view.
+            if need_dx and _takes_extra_columns(weights):
+                joined = dy @ _stacked_weight(weights, dtype, ctx.buffer, extra_columns=b_columns)
+                dx, g = joined[:, :in_features], joined[:, in_features:]
+            else:
+                dx = dy @ _stacked_weight(weights, dtype, ctx.buffer) if need_dx else None
+                g = dy @ b_columns
+            if lora_x is None:
+                lora_rows = x.reshape(-1, in_features)
+                if need_dx:
                     dx.addmm_(g, a_cat, alpha=scaling)
-                else:
-                    dlora_x = torch.mm(g, a_cat).mul_(scaling)
+            else:
+                lora_rows = lora_x.reshape(-1, in_features)
+                if ctx.needs_input_grad[1]:
+                    dlora_x = torch.mm(g, a_cat).mul_(scaling).view(x.shape)
             da_cat = torch.mm(g.T, lora_rows).mul_(scaling)
+            db_cat = torch.mm(dy.T, t).mul_(scaling)
             for slot, (rank_slice, out_slice) in enumerate(slices):
-                da = da_cat[rank_slice].to(lora_a[slot].dtype)
-                db = torch.mm(dy[:, out_slice].T, t[:, rank_slice]).mul_(scaling).to(lora_b[slot].dtype)
-                grads += [da, db]
-
+                grads += [
+                    da_cat[rank_slice].to(lora_a[slot].dtype),
+                    db_cat[out_slice, rank_slice].to(lora_b[slot].dtype),
+                ]
         if dx is not None:
             dx = dx.view(x.shape)
-        if dlora_x is not None:
-            dlora_x = dlora_x.view(x.shape)
-        return dx, dlora_x, None, None, None, None, None, *grads
+        return dx, dlora_x, None, None, None, None, None, None, *grads
 
 
 def _lora_slices(weights, lora_index, lora_a):
@@ -261,9 +316,14 @@ def lora_linear(
     scaling: float,
     lora_x: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
+    need_output: bool = True,
 ) -> torch.Tensor:
     """x [..., in] -> [..., sum(out_p)]; `lora_x` is the LoRA branch input (x after dropout,
-    default x); `buffer` is a scratch tensor of x.dtype reused across layers (see buffer_numel)."""
+    default x); `buffer` is a scratch tensor of x.dtype reused across layers (see buffer_numel).
+
+    need_output=False, for a checkpoint recompute, which only needs what backward saves, skips
+    the GEMM and returns an uninitialised tensor of the output's shape (the fused path only).
+    """
     _check_arguments(x, weights, biases, lora_a, lora_b, lora_x)
     if lora_x is x:
         lora_x = None
@@ -272,5 +332,5 @@ def lora_linear(
     lora_index = tuple(p for p, a in enumerate(lora_a) if a is not None)
     lora_params = [tensor for p in lora_index for tensor in (lora_a[p], lora_b[p])]
     return LoRALinearFunction.apply(
-        x, lora_x, scaling, tuple(weights), tuple(biases), buffer, lora_index, *lora_params
+        x, lora_x, scaling, tuple(weights), tuple(biases), buffer, need_output, lora_index, *lora_params
     )

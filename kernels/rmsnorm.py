@@ -75,6 +75,8 @@ def _rms_norm_bwd_kernel(
     rstd_ptr,
     dx_ptr,
     dweight_partial_ptr,
+    dy_row_stride,
+    dsummed_row_stride,
     n_rows,
     n_cols,
     HAS_DSUMMED: tl.constexpr,
@@ -93,14 +95,15 @@ def _rms_norm_bwd_kernel(
         row = row_start + i
         row_mask = cols < tl.where(row < n_rows, n_cols, 0)
         offsets = row * n_cols + cols
-        dy = tl.load(dy_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
         x_hat = x * rstd
         dy_w = dy * weight
         dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
         if HAS_DSUMMED:
-            dx += tl.load(dsummed_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+            dsummed = tl.load(dsummed_ptr + row * dsummed_row_stride + cols, mask=row_mask, other=0.0)
+            dx += dsummed.to(tl.float32)
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
         if COMPUTE_DWEIGHT:
             dweight += dy * x_hat
@@ -184,8 +187,9 @@ def _rms_norm_backward(
     """dx (2-D, includes the gradient arriving through `summed`) and dW (None unless asked)."""
     summed2d = summed2d.contiguous()
     n_rows, n_cols = summed2d.shape
-    dy2d = dy.reshape(n_rows, n_cols).contiguous()
-    dsummed2d = dsummed.reshape(n_rows, n_cols).contiguous() if dsummed is not None else dy2d
+    # Gradients may arrive as row-strided views (kernels.linear returns dX beside the LoRA columns).
+    dy2d = _rows(dy)
+    dsummed2d = _rows(dsummed) if dsummed is not None else dy2d
     dx = torch.empty_like(summed2d)
     # A power of two, so the row-loop bound is a compile-time constant with few distinct values.
     rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, _backward_programs(n_rows, dy.device)))
@@ -202,6 +206,8 @@ def _rms_norm_backward(
         rstd,
         dx,
         dweight_partial,
+        dy2d.stride(0),
+        dsummed2d.stride(0),
         n_rows,
         n_cols,
         HAS_DSUMMED=dsummed is not None,

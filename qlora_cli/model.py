@@ -9,6 +9,7 @@ torch reference on the CPU, so this file reads the same on both. `timed` names e
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +106,7 @@ class ProjectionGroup(nn.Module):
     def set_bias(self, name: str, bias: torch.Tensor) -> None:
         self.biases[self.names.index(name)] = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, need_output: bool = True) -> torch.Tensor:
         lora_x = F.dropout(x, self.dropout, self.training) if self.dropout and self.training else x
         return lora_linear(
             x,
@@ -116,7 +117,25 @@ class ProjectionGroup(nn.Module):
             self.scaling,
             lora_x=lora_x,
             buffer=self.scratch,
+            need_output=need_output,
         )
+
+
+class Recompute:
+    """Active while torch.utils.checkpoint reruns a layer in backward. Only the tensors backward
+    saves are kept from that rerun, so the layer's last GEMM (down_proj) need not produce y."""
+
+    active = False
+
+    def __enter__(self):
+        Recompute.active = True
+
+    def __exit__(self, *exc):
+        Recompute.active = False
+
+
+def _recompute_contexts():
+    return contextlib.nullcontext(), Recompute()
 
 
 def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
@@ -163,7 +182,8 @@ class DecoderLayer(nn.Module):
         x = timed("o_proj", self.projections["o"], attn.reshape(b, s, spec.q_size))
         h, residual = timed("rmsnorm_ffn", add_rms_norm, x, residual, self.post_attention_layernorm, eps)
         gate_up = timed("gate_up_gemm", self.projections["gate_up"], h)
-        x = timed("down_gemm", self.projections["down"], timed("silu", swiglu, gate_up))
+        activation = timed("silu", swiglu, gate_up)
+        x = timed("down_gemm", self.projections["down"], activation, need_output=not Recompute.active)
         return x, residual
 
 
@@ -297,7 +317,14 @@ class QLoRAModel(nn.Module):
                 # A recomputed layer keeps only its input: hand it the residual stream as one tensor.
                 stream = x if residual is None else x + residual
                 x, residual = checkpoint(
-                    layer, stream, None, position_ids, doc_ids, self.inv_freq, use_reentrant=False
+                    layer,
+                    stream,
+                    None,
+                    position_ids,
+                    doc_ids,
+                    self.inv_freq,
+                    use_reentrant=False,
+                    context_fn=_recompute_contexts,
                 )
             else:
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)

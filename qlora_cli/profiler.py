@@ -356,6 +356,9 @@ class OpProfiler:
             # tensor; the row closes there, or that op's backward would be counted under it.
             self.stamp(False, name)
         work = work_of(args, out[0] if isinstance(out, tuple) else out)
+        if kwargs.get("need_output") is False:
+            # A recompute that skips the projection's GEMM (kernels.linear); its backward still runs.
+            work = Work(0.0, 0.0, work.bwd_flops, work.bwd_bytes)
         opened.flops, opened.bytes = work.flops, work.bytes
         self._note_call(name, fn, args)
         if marking:

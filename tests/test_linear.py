@@ -15,6 +15,8 @@ CASES = {
     "qkv_nf4_bias": (64, (64, 32, 32), 4, True, True, (0, 1, 2), False),
     "qkv_plain_partial_lora_dropout": (64, (64, 32, 32), 8, False, False, (0, 2), True),
     "gate_up_nf4_dropout": (128, (64, 64), 8, False, True, (0, 1), True),
+    "gate_up_nf4": (64, (64, 64), 4, False, True, (0, 1), False),
+    "down_nf4_ragged_rows_dropout": (96, (64,), 4, False, True, (0,), True),
     "o_proj_plain": (64, (64,), 4, False, False, (0,), False),
     "down_nf4_bias_no_lora": (128, (64,), 4, True, True, (), False),
 }
@@ -72,6 +74,35 @@ def test_function_matches_reference(name):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["qkv_nf4_bias", "gate_up_nf4", "gate_up_nf4_dropout"])
+def test_frozen_input_gets_lora_gradients_only(name):
+    """The first layer's input needs no gradient: no dX GEMM, the same A and B gradients."""
+    x, lora_x, weights, biases, lora_a, lora_b = _make(CASES[name])
+    x = x.detach()
+    grad_out = torch.randn(2, 5, sum(CASES[name][1]))
+    inputs = ([lora_x] if lora_x is not None else []) + [t for t in lora_a + lora_b if t is not None]
+    grads = torch.autograd.grad(
+        lora_linear(x, weights, biases, lora_a, lora_b, 0.5, lora_x), inputs, grad_out
+    )
+    y = lora_linear_reference(x, weights, biases, lora_a, lora_b, 0.5, lora_x)
+    for got, want in zip(grads, torch.autograd.grad(y, inputs, grad_out), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_recompute_without_output_gives_the_same_gradients(name):
+    """need_output=False (a checkpoint recompute) skips the GEMM, not what backward needs."""
+    x, lora_x, weights, biases, lora_a, lora_b = _make(CASES[name])
+    grad_out = torch.randn(2, 5, sum(CASES[name][1]))
+    y, grads = _forward_and_grads(lora_linear, x, lora_x, weights, biases, lora_a, lora_b, grad_out)
+    skipped, skipped_grads = _forward_and_grads(
+        lora_linear, x, lora_x, weights, biases, lora_a, lora_b, grad_out, need_output=False
+    )
+    assert skipped.shape == y.shape
+    for got, want in zip(skipped_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_reference_uses_dequantized_weights():
     case = CASES["qkv_nf4_bias"]
     x, _, weights, biases, lora_a, lora_b = _make(case)
@@ -87,9 +118,9 @@ def test_reference_uses_dequantized_weights():
     torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["qkv_nf4_bias", "gate_up_nf4_dropout"])
+@pytest.mark.parametrize("name", ["qkv_nf4_bias", "gate_up_nf4", "gate_up_nf4_dropout"])
 def test_backward_redequantizes_into_the_shared_buffer(name):
-    """qkv here folds LoRA into the base GEMM (sum(out) = 2 in), gate/up here adds it into y."""
+    """A as extra rows (qkv), B as extra columns (gate/up), and B with a dropout input."""
     x, lora_x, weights, biases, lora_a, lora_b = _make(CASES[name])
     grad_out = torch.randn(2, 5, sum(CASES[name][1]))
     buffer = torch.empty(buffer_numel(weights, lora_a) + 10)

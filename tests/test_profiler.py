@@ -191,3 +191,5 @@ def test_forward_rows_close_when_a_recompute_stops_early(tmp_path):
     assert open_forward and set(open_forward.values()) == {0}
     rows = watcher._resolve()
     assert rows["down_gemm"].recomputed == 2 and rows["down_bwd"].calls == 2
+    # The recompute skips down_proj's GEMM: its forward FLOPs are counted once, like its backward's.
+    assert rows["down_gemm"].flops == rows["down_bwd"].flops > 0

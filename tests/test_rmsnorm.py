@@ -32,6 +32,14 @@ def _activations(layout: str, hidden: int, generator: torch.Generator, dtype=tor
     return base, base.transpose(0, 1)
 
 
+def _gradient(like: torch.Tensor, layout: str, generator: torch.Generator) -> torch.Tensor:
+    """An incoming gradient; 'sliced' gets rows wider than hidden, as kernels.linear returns dX."""
+    if layout == "sliced":
+        wide = torch.randn(*like.shape[:-1], like.shape[-1] + 8, generator=generator)
+        return wide[..., 4 : 4 + like.shape[-1]]
+    return torch.randn(like.shape, generator=generator)
+
+
 def _weight(hidden: int, requires_grad: bool, generator: torch.Generator, dtype=torch.float32, device="cpu"):
     weight = 1.0 + 0.1 * torch.randn(hidden, generator=generator, dtype=dtype, device=device)
     return weight.requires_grad_(requires_grad)
@@ -57,7 +65,7 @@ def test_rms_norm_matches_reference(layout, hidden, weight_grad):
     generator = torch.Generator().manual_seed(0)
     leaf, x = _activations(layout, hidden, generator)
     weight = _weight(hidden, weight_grad, generator)
-    dy = torch.randn(x.shape, generator=generator)
+    dy = _gradient(x, layout, generator)
     leaves = [leaf, weight] if weight_grad else [leaf]
 
     out, grads = _outputs_and_grads(lambda: rms_norm(x, weight, EPS), leaves, (dy,))
@@ -76,8 +84,8 @@ def test_add_rms_norm_matches_reference(layout, hidden, weight_grad):
     x_leaf, x = _activations(layout, hidden, generator)
     residual_leaf, residual = _activations(layout, hidden, generator)
     weight = _weight(hidden, weight_grad, generator)
-    dy = torch.randn(x.shape, generator=generator)
-    dsummed = torch.randn(x.shape, generator=generator)
+    dy = _gradient(x, layout, generator)
+    dsummed = _gradient(x, layout, generator)
     leaves = [x_leaf, residual_leaf, weight] if weight_grad else [x_leaf, residual_leaf]
 
     out, grads = _outputs_and_grads(lambda: add_rms_norm(x, residual, weight, EPS), leaves, (dy, dsummed))
