@@ -18,7 +18,13 @@ from qlora_cli.errors import QLoraError
 from qlora_cli.train import resume, train
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+# PYTHONPATH: the fault script below imports this checkout, installed or not.
+ENV = {
+    **os.environ,
+    "TRITON_INTERPRET": "0",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
 
 # Run by torchrun in place of `-m qlora_cli`: on rank 1 only, the QLORA_TEST_FAULT_CALL-th loss call
 # raises (QLORA_TEST_FAULT=raise) or sends the process a SIGTERM (=sigterm). qlora never reads these.
