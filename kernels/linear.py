@@ -214,7 +214,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if lora_index:
             slices = list(_lora_slices(weights, lora_index, lora_a))
             a_cat = torch.cat([a.to(dtype) for a in lora_a])
-            b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
+            b_columns = _lora_b_columns(lora_b, slices, out_features, dtype) if need_output else None
             layout = _lora_layout(weights, lora_x is None)
             if not need_output:
                 t = lora_rows @ a_cat.T
