@@ -57,9 +57,10 @@ def _lora_layout(weights: Sequence[FrozenWeight], shared_input: bool) -> str:
     than rewriting y, A as extra "rows" otherwise; A needs the LoRA input to be x itself (no
     dropout), so a separate input whose B cannot become columns gets it "added" into y."""
     wide = sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
-    if shared_input and not (wide and _takes_extra_columns(weights)):
+    columns = _takes_extra_columns(weights)
+    if shared_input and not (wide and columns):
         return "rows"
-    return "columns" if _takes_extra_columns(weights) else "added"
+    return "columns" if columns else "added"
 
 
 def buffer_numel(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None] = ()) -> int:

@@ -121,10 +121,11 @@ class Work:
     bwd_bytes: float = 0.0
 
 
-def _gemm_work(args, out) -> Work:
+def _gemm_work(args, out, need_output: bool = True, **_) -> Work:
     """Frozen projection [M, K] x [K, N]: 2·M·N·K forward, the same again for dX (W is frozen, no dW).
 
     LoRA's rank-r products are left out of the FLOPs; their time is in the row (see lora_fwd/bwd).
+    A recompute that skips the GEMM (kernels.linear's need_output=False) does no forward work.
     """
     x = args[0]
     k = x.shape[-1]
@@ -134,10 +135,11 @@ def _gemm_work(args, out) -> Work:
     flops = 2.0 * m * n * k
     moved = (m * k + m * n + n * k) * size
     needs_dx = x.requires_grad
-    return Work(flops, moved, flops if needs_dx else 0.0, moved if needs_dx else m * n * size)
+    backward = (flops, moved) if needs_dx else (0.0, m * n * size)
+    return Work(flops, moved, *backward) if need_output else Work(0.0, 0.0, *backward)
 
 
-def _attention_work(args, out) -> Work:
+def _attention_work(args, out, **_) -> Work:
     """Causal: half of 4·B·H·S²·D forward, 2.5x that backward (the full triangle, even when packed)."""
     q, k, v = args[:3]
     b, s, h, d = q.shape
@@ -147,7 +149,7 @@ def _attention_work(args, out) -> Work:
     return Work(flops, qkv_bytes + out_bytes, 2.5 * flops, 2 * qkv_bytes + 2 * out_bytes)
 
 
-def _norm_work(args, out) -> Work:
+def _norm_work(args, out, **_) -> Work:
     """(Residual-add +) RMSNorm: x (+ residual) in, normed (+ sum) out; backward reads dy (+ dsum) and x."""
     x, residual = args[0], args[1]
     elements = x.numel() * x.element_size()
@@ -156,25 +158,25 @@ def _norm_work(args, out) -> Work:
     return Work(0.0, 4 * elements, 0.0, 4 * elements)
 
 
-def _rope_work(args, out) -> Work:
+def _rope_work(args, out, **_) -> Work:
     """Q and K read and written once; backward also rereads them when QK-norm is fused."""
     q, k, q_norm = args[0], args[1], args[4]
     elements = (q.numel() + k.numel()) * q.element_size()
     return Work(0.0, 2 * elements, 0.0, (3 if q_norm is not None else 2) * elements)
 
 
-def _swiglu_work(args, out) -> Work:
+def _swiglu_work(args, out, **_) -> Work:
     """gate_up [T, 2I] in, [T, I] out; backward reads dout and gate_up, writes dgate_up."""
     elements = out.numel() * out.element_size()
     return Work(0.0, 3 * elements, 0.0, 5 * elements)
 
 
-def _embedding_work(args, out) -> Work:
+def _embedding_work(args, out, **_) -> Work:
     ids = args[0]
     return Work(0.0, ids.numel() * ids.element_size() + 2 * out.numel() * out.element_size())
 
 
-def _loss_work(args, out) -> Work:
+def _loss_work(args, out, **_) -> Work:
     """lm_head + cross-entropy: logits 2·T·V·H, and as much again for d hidden when training.
 
     The fused kernel computes d hidden during forward (logits written, reread, rewritten as the
@@ -355,10 +357,7 @@ class OpProfiler:
             # Checkpointing ends a recompute by raising out of the op that saves the layer's last
             # tensor; the row closes there, or that op's backward would be counted under it.
             self.stamp(False, name)
-        work = work_of(args, out[0] if isinstance(out, tuple) else out)
-        if kwargs.get("need_output") is False:
-            # A recompute that skips the projection's GEMM (kernels.linear); its backward still runs.
-            work = Work(0.0, 0.0, work.bwd_flops, work.bwd_bytes)
+        work = work_of(args, out[0] if isinstance(out, tuple) else out, **kwargs)
         opened.flops, opened.bytes = work.flops, work.bytes
         self._note_call(name, fn, args)
         if marking:

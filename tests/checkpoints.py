@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
-DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "tiny-qwen3"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_TOKENIZER = REPO_ROOT / "configs" / "demo" / "tiny-qwen3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -83,7 +85,14 @@ def load_transformers(folder: Path):
     return model.eval()
 
 
-DEMO_DATA = Path(__file__).resolve().parent.parent / "configs" / "demo" / "data" / "train.jsonl"
+DEMO_DATA = REPO_ROOT / "configs" / "demo" / "data" / "train.jsonl"
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """A child process's environment: reference ops, unbuffered output, and this checkout on the
+    path, so that scripts a test writes import it whether or not qlora is installed."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **extra}
 
 
 def write_run(folder: Path, rows: int = 48, **config) -> Path:

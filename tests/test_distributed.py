@@ -1,13 +1,12 @@
 """Data-parallel training: two gloo processes on the CPU, started by torchrun as users start them."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from checkpoints import write_run
+from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
 from qlora_cli.checkpoint import latest_checkpoint
@@ -18,13 +17,7 @@ from qlora_cli.errors import QLoraError
 from qlora_cli.train import resume, train
 
 ROOT = Path(__file__).resolve().parent.parent
-# PYTHONPATH: the fault script below imports this checkout, installed or not.
-ENV = {
-    **os.environ,
-    "TRITON_INTERPRET": "0",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-}
+ENV = subprocess_env()
 
 # Run by torchrun in place of `-m qlora_cli`: on rank 1 only, the QLORA_TEST_FAULT_CALL-th loss call
 # raises (QLORA_TEST_FAULT=raise) or sends the process a SIGTERM (=sigterm). qlora never reads these.

@@ -1,7 +1,6 @@
 """Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoints import write_run
+from checkpoints import subprocess_env, write_run
 
 from qlora_cli import checkpoint as checkpoint_module
 from qlora_cli.config import load_config
@@ -129,7 +128,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
 
 
 def _cli(*args, env_extra=None):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = subprocess_env(**(env_extra or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "qlora_cli", *args],
         cwd=ROOT,
@@ -191,7 +190,7 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
     marker = tmp_path / "saving"
     script = tmp_path / "kill_during_save.py"
     script.write_text(KILL_DURING_SAVE)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "QLORA_TEST_MARKER": str(marker)}
+    env = subprocess_env(QLORA_TEST_MARKER=str(marker))
     proc = subprocess.Popen([sys.executable, str(script), str(path)], cwd=ROOT, env=env)
     deadline = time.monotonic() + 120
     while not marker.exists():
