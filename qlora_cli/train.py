@@ -392,6 +392,7 @@ def _train(
             record = None
             if done % config.logging_steps == 0 or done == run.total_steps:
                 elapsed = max(1e-9, time.perf_counter() - window_start)
+                peaks = dist.all_gather_json(memory_gib(run.device))
                 record = {
                     "step": done,
                     "loss": window_loss / max(1, window_tokens),
@@ -400,8 +401,10 @@ def _train(
                     "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
                     "trained_tokens": window_tokens,
                     "tokens_per_s": window_inputs / elapsed,
-                    "memory_gib": dist.max(memory_gib(run.device)),
+                    "memory_gib": None if peaks[0] is None else max(peaks),
                 }
+                if dist.active:
+                    record["memory_gib_per_rank"] = peaks
                 window_loss, window_tokens, window_inputs, window_start = 0.0, 0, 0, time.perf_counter()
             if run.eval_plan is not None and config.eval_steps and done % config.eval_steps == 0:
                 eval_loss, eval_ppl = evaluate(run)

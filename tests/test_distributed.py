@@ -149,6 +149,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5), key
         assert b["trained_tokens"] == a["trained_tokens"] and b["epoch"] == a["epoch"]
+        assert "memory_gib_per_rank" not in a and len(b["memory_gib_per_rank"]) == 2
     state = _state(two / "checkpoint-4")
     assert state["world_size"] == 2 and state["batch_index"] == _state(one.checkpoint)["batch_index"]
     assert len(state["rng"]) == 2 and state["rng"][0] != state["rng"][1]
