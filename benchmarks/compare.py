@@ -1,11 +1,13 @@
 """qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels), same GPU, same run.
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
-       [--runners qlora,hf,liger] [--checkpointing true|false|auto] [--budget-gb 60]
+       [--runners qlora,qlora-eager,hf,liger] [--checkpointing true|false|auto] [--budget-gb 60]
 
 Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
-writes one), on the same random batch, in its own process so peak memory is its own. Prints tokens/s,
-peak GPU memory, MFU and the ratios against HF+PEFT+bnb.
+writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
+each step's forward and backward as a CUDA graph, as `qlora train` does with packed rows; `qlora-eager`
+launches op by op. Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is
+captured) and reserved, MFU and the ratios against HF+PEFT+bnb.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_qlora(args) -> dict:
+def run_qlora(args, graphs: bool) -> dict:
+    from qlora_cli.graphs import GraphedLoss
     from qlora_cli.memory import layers_to_checkpoint
     from qlora_cli.model import LoRAConfig, QLoRAModel
     from qlora_cli.weights import read_spec
@@ -60,12 +63,17 @@ def run_qlora(args) -> dict:
     load_s = time.perf_counter() - start
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5, fused=args.device == "cuda")
     ids, labels = _batch(spec.vocab_size, args)
+    count = labels.numel()
+    graphed = GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size) if graphs else None
 
     def step():
-        loss_sum, count = model.loss(ids, labels)
-        (loss_sum / count).backward()
+        if graphed is None:
+            loss_sum, _ = model.loss(ids, labels)
+            (loss_sum / count).backward()
+        else:
+            loss_sum = graphed((ids, labels), 1, 1 / count)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=graphed is None)
         return loss_sum / count
 
     return _timed(step, args) | {"load_s": load_s, "recomputed_layers": recompute}
@@ -121,11 +129,12 @@ def run_hf(args, liger: bool) -> dict:
 
 
 def _timed(step, args) -> dict:
+    """The peak covers the warm-up too: a CUDA graph takes its memory when it is captured there."""
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step()
     _sync(args.device)
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
@@ -135,16 +144,23 @@ def _timed(step, args) -> dict:
         "step_s": seconds,
         "tokens_per_s": args.batch * args.seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
+        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else 0.0,
         "loss": float(loss.detach()),
     }
 
 
 RUNNERS = {
-    "qlora": run_qlora,
+    "qlora": lambda a: run_qlora(a, graphs=a.device == "cuda"),
+    "qlora-eager": lambda a: run_qlora(a, graphs=False),
     "hf": lambda a: run_hf(a, liger=False),
     "liger": lambda a: run_hf(a, liger=True),
 }
-LABELS = {"qlora": "qlora", "hf": "HF+PEFT+bnb", "liger": "HF+PEFT+bnb+Liger"}
+LABELS = {
+    "qlora": "qlora",
+    "qlora-eager": "qlora, no graphs",
+    "hf": "HF+PEFT+bnb",
+    "liger": "HF+PEFT+bnb+Liger",
+}
 
 
 def main() -> None:
@@ -154,7 +170,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--runners", default="qlora,hf,liger")
+    parser.add_argument("--runners", default="qlora,qlora-eager,hf,liger")
     parser.add_argument("--checkpointing", choices=["true", "false", "auto"], default="true")
     parser.add_argument(
         "--budget-gb", type=float, default=None, help="memory budget for --checkpointing auto"
@@ -185,12 +201,16 @@ def main() -> None:
         f"gradient checkpointing {args.checkpointing}, "
         f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
-    print(f"{'runner':<20}{'tok/s':>10}{'peak GiB':>10}{'MFU':>8}{'vs HF':>8}{'load s':>8}{'loss':>8}")
+    print(
+        f"{'runner':<20}{'tok/s':>10}{'peak GiB':>10}{'reserved':>10}{'MFU':>8}{'vs HF':>8}{'load s':>8}"
+        f"{'loss':>8}"
+    )
     for name, r in results.items():
         mfu = r["tokens_per_s"] * flops / (DATASHEET_BF16_TFLOPS * 1e12)
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(
-            f"{LABELS[name]:<20}{r['tokens_per_s']:>10,.0f}{r['peak_gib']:>10.1f}{mfu:>8.1%}{ratio:>8}"
+            f"{LABELS[name]:<20}{r['tokens_per_s']:>10,.0f}{r['peak_gib']:>10.2f}{r['reserved_gib']:>10.2f}"
+            f"{mfu:>8.1%}{ratio:>8}"
             f"{r['load_s']:>8.1f}{r['loss']:>8.3f}"
         )
     print("JSON " + json.dumps(results))

@@ -101,11 +101,16 @@ def _check_inputs(
             "linear_cross_entropy computes no gradient for weight (the lm_head is frozen); "
             "call weight.requires_grad_(False) or pass weight.detach()"
         )
-    _check_labels_in_vocab(labels, weight.shape[0], ignore_index)
+    if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_labels_in_vocab(labels, weight.shape[0], ignore_index)
 
 
-def _check_labels_in_vocab(labels: torch.Tensor, n_vocab: int, ignore_index: int) -> None:
-    """Out-of-range labels would silently train towards nothing in the kernel, so refuse them."""
+def check_labels_in_vocab(labels: torch.Tensor, n_vocab: int, ignore_index: int) -> None:
+    """Out-of-range labels would silently train towards nothing in the kernel, so refuse them.
+
+    On the GPU this reads a flag back to the host, which a CUDA graph capture cannot; code that
+    captures the loss (qlora_cli.graphs) calls this on the labels before it copies them in.
+    """
     out_of_vocab = (labels != ignore_index) & ((labels < 0) | (labels >= n_vocab))
     if bool(out_of_vocab.any()):
         bad = labels[out_of_vocab][0].item()

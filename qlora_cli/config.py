@@ -89,6 +89,7 @@ class TrainConfig:
     memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cuda_graphs: bool | Literal["auto"] = "auto"
 
     @property
     def target_modules(self) -> list[str]:

@@ -408,6 +408,27 @@ class Batch:
             n_tokens=self.n_tokens,
         )
 
+    def padded_to(self, rows: int) -> Batch:
+        """This batch with at least `rows` rows: each added row is one document of untrained tokens.
+
+        A CUDA graph replays one shape, and an epoch's last micro-batch may hold fewer rows.
+        """
+        missing = rows - self.input_ids.shape[0]
+        if missing <= 0:
+            return self
+        width = self.input_ids.shape[1]
+
+        def extended(tensor: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+            return torch.cat([tensor, row.to(tensor.dtype).expand(missing, width)])
+
+        return Batch(
+            input_ids=extended(self.input_ids, torch.zeros(width)),
+            labels=extended(self.labels, torch.full((width,), IGNORE_INDEX)),
+            position_ids=extended(self.position_ids, torch.arange(width)),
+            doc_ids=extended(self.doc_ids, torch.zeros(width)),
+            n_tokens=self.n_tokens,
+        )
+
 
 def _pack_rows(lengths: list[int], order: list[int], capacity: int) -> list[list[int]]:
     """Best-fit packing in the given order: each example goes into the fullest row it still fits."""

@@ -325,6 +325,9 @@ class QLoRAModel(nn.Module):
                     self.inv_freq,
                     use_reentrant=False,
                     context_fn=_recompute_contexts,
+                    # LoRA dropout is a layer's only random op; without it there is no RNG state to
+                    # replay, and none to read, which a CUDA graph capture could not do.
+                    preserve_rng_state=bool(self.lora and self.lora.dropout),
                 )
             else:
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)

@@ -23,6 +23,7 @@ from qlora_cli.config import TrainConfig, apply_override, config_from_dict, conf
 from qlora_cli.data import BatchPlan, load_examples, split_validation
 from qlora_cli.distributed import Distributed, check_world_size, distributed
 from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
+from qlora_cli.graphs import GraphedLoss
 from qlora_cli.hub import resolve_dataset, resolve_model
 from qlora_cli.memory import layers_to_checkpoint
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -119,6 +120,7 @@ class Run:
     notes: list[str]
     dist: Distributed
     loss_module: torch.nn.Module
+    graphed: GraphedLoss | None = None
 
     def packed_doc_ids(self, batch):
         """Document ids matter only in packed rows; a padded single-document row is plain causal."""
@@ -128,6 +130,31 @@ class Run:
 def _check_output_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise QLoraError(f"output_dir {path} exists and is not a folder")
+
+
+def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: int) -> str | None:
+    """Why this run cannot replay its micro-batches as CUDA graphs (qlora_cli/graphs.py), or None."""
+    if device.type != "cuda":
+        return f"they need a CUDA device and this run trains on {device.type}"
+    if world_size > 1:
+        return "several processes exchange gradients through DDP's hooks, which a graph does not replay"
+    if not config.sample_packing:
+        return "without sample_packing a micro-batch's width changes from batch to batch"
+    if config.lora_dropout:
+        return "lora_dropout draws random numbers"
+    return None
+
+
+def _graphed_loss(config: TrainConfig, run: Run, profiling: bool) -> GraphedLoss | None:
+    """`auto` replays graphs where they work; `true` insists; a profile times ops one by one, eagerly."""
+    if config.cuda_graphs is False or profiling:
+        return None
+    blocker = cuda_graph_blocker(config, run.device, run.dist.world_size)
+    if blocker is None:
+        return GraphedLoss(run.loss_module, run.device, run.model.spec.vocab_size)
+    if config.cuda_graphs is True:
+        raise QLoraError(f"config key 'cuda_graphs' is true, but {blocker}; set it to auto or false")
+    return None
 
 
 def build_run(config: TrainConfig, dist: Distributed | None = None) -> Run:
@@ -266,6 +293,11 @@ def _train_step(run: Run, step: int) -> tuple[float, int, int]:
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
     for i, batch in enumerate(batches):
+        if run.graphed is not None:
+            inputs = batch.padded_to(config.micro_batch_size)
+            tensors = (inputs.input_ids, inputs.labels, inputs.position_ids, inputs.doc_ids)
+            loss_total += run.graphed(tensors, 1, dist.world_size / max(1, trained))
+            continue
         with region("data"):
             batch = batch.to(run.device)
         with dist.accumulating(run.loss_module, last=i == len(batches) - 1):
@@ -289,7 +321,8 @@ def _optimizer_step(run: Run, step: int) -> float:
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        # A CUDA graph writes into the gradients it was captured with: keep them, zeroed.
+        run.optimizer.zero_grad(set_to_none=run.graphed is None)
     return grad_norm
 
 
@@ -346,6 +379,7 @@ def _train(
     if resume_from is not None:
         check_world_size(resume_from, dist.world_size)
     run = build_run(config, dist)
+    run.graphed = _graphed_loss(config, run, profiling=profiler is not None)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     start, metrics = 0, []

@@ -71,6 +71,14 @@ CASES = {
         "model_type 'llama' is not supported",
     ),
     "output_dir is a file": (lambda p: (p.parent.joinpath("out").write_text("x"), p)[1], "is not a folder"),
+    "cuda_graphs not a choice": (
+        lambda p: _edit(p, cuda_graphs="always"),
+        "'cuda_graphs': expected",
+    ),
+    "cuda_graphs true on the CPU": (
+        lambda p: _edit(p, cuda_graphs=True),
+        "'cuda_graphs' is true, but they need a CUDA device and this run trains on cpu",
+    ),
 }
 
 

@@ -1,0 +1,142 @@
+"""CUDA graphs: when a run can replay them, and that a replay trains exactly as eager calls do."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_run
+
+from qlora_cli.config import load_config
+from qlora_cli.data import BatchPlan
+from qlora_cli.graphs import GraphedLoss
+from qlora_cli.train import build_run, cuda_graph_blocker, train
+
+CUDA = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_graphs_need_a_cuda_device():
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        GraphedLoss(lambda *inputs: None, torch.device("cpu"), vocab_size=8)
+
+
+@pytest.mark.parametrize(
+    "device, world_size, settings, reason",
+    [
+        (torch.device("cpu"), 1, {}, "need a CUDA device"),
+        (CUDA, 2, {}, "DDP's hooks"),
+        (CUDA, 1, {"sample_packing": False}, "width changes"),
+        (CUDA, 1, {"lora_dropout": 0.1}, "random numbers"),
+        (CUDA, 1, {}, None),
+    ],
+    ids=["cpu", "two-processes", "no-packing", "dropout", "replayable"],
+)
+def test_what_blocks_cuda_graphs(tmp_path, device, world_size, settings, reason):
+    config = load_config(write_run(tmp_path, **{"sample_packing": True, **settings}))
+    blocker = cuda_graph_blocker(config, device, world_size)
+    if reason is None:
+        assert blocker is None
+    else:
+        assert reason in blocker
+
+
+def _records(output_dir: Path) -> list[dict]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _micro_batch(seed: int, vocab: int, tokens: int = 1024):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, tokens), generator=generator)
+    labels = ids.roll(-1, dims=1)
+    labels[:, : tokens // 4] = -100
+    positions = torch.arange(tokens).repeat(2, 1)
+    doc_ids = torch.zeros(2, tokens, dtype=torch.int32)
+    doc_ids[:, tokens // 2 :] = 1
+    positions[:, tokens // 2 :] -= tokens // 2
+    return ids, labels, positions, doc_ids
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_micro_batches_accumulate_what_eager_ones_do():
+    """Qwen2.5-7B layers, recomputed in backward: two steps of 2 and 1 micro-batches, eager and graphed.
+
+    The graphed sequence covers its three kinds of call: eager, capture and replay, replay.
+    """
+    from test_gpu_step import _model
+
+    model = _model(torch.bfloat16)
+    model.checkpoint_layers = len(model.layers)
+    vocab = model.spec.vocab_size
+    steps = [[_micro_batch(0, vocab), _micro_batch(1, vocab)], [_micro_batch(2, vocab)]]
+    params = model.trainable_parameters()
+
+    def run(call):
+        results = []
+        for batches in steps:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            losses = [float(call(batch, 1 / 3000)) for batch in batches]
+            results.append((losses, [p.grad.clone() for p in params]))
+        return results
+
+    def eager(batch, scale):
+        loss_sum, _ = model.loss(*(t.to(CUDA) for t in batch))
+        (loss_sum * scale).backward()
+        return loss_sum.detach()
+
+    graphed = GraphedLoss(model.loss, CUDA, vocab)
+    expected = run(eager)
+    got = run(lambda batch, scale: graphed(batch, 1, scale))
+    assert graphed.graph is not None and graphed.calls == 3
+    for (eager_losses, eager_grads), (graph_losses, graph_grads) in zip(expected, got, strict=True):
+        assert graph_losses == pytest.approx(eager_losses, rel=1e-6)
+        for a, b in zip(eager_grads, graph_grads, strict=True):
+            assert a.abs().sum() > 0
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_train_with_graphs_follows_the_eager_run(tmp_path):
+    """Packed rows with an epoch's short last micro-batch (padded for the graph), accumulation and
+    recompute: cuda_graphs auto on the GPU gives the losses and gradient norms of cuda_graphs false."""
+    settings = dict(
+        device="cuda",
+        sample_packing=True,
+        micro_batch_size=3,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+        max_steps=8,
+    )
+    graphed_config = load_config(write_run(tmp_path / "graphs", **settings))
+    plan = build_run(graphed_config).train_plan
+    assert len(plan.batch_rows(0, plan.num_batches - 1)) < 3 and plan.num_batches < 16
+    graphed = train(graphed_config)
+    eager = train(load_config(write_run(tmp_path / "eager", cuda_graphs=False, **settings)))
+    got, expected = _records(graphed.output_dir), _records(eager.output_dir)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_a_padded_batch_trains_as_the_short_one(tmp_path, reference_ops):
+    """The rows a graph's fixed shape adds carry no trained token and change no loss."""
+    run = build_run(load_config(write_run(tmp_path, sample_packing=True, micro_batch_size=3)))
+    plan: BatchPlan = run.train_plan
+    short = plan.batch(0, plan.num_batches - 1)
+    rows = short.input_ids.shape[0]
+    assert rows < 3
+    padded = short.padded_to(3)
+    assert padded.input_ids.shape == (3, short.input_ids.shape[1]) and padded.n_tokens == short.n_tokens
+    assert torch.equal(padded.input_ids[:rows], short.input_ids)
+    assert (padded.labels[rows:] == -100).all() and padded.doc_ids.dtype == short.doc_ids.dtype
+    assert short.padded_to(rows) is short
+    with torch.no_grad():
+        losses = [run.model.loss(b.input_ids, b.labels, b.position_ids, b.doc_ids) for b in (short, padded)]
+    assert float(losses[1][0]) == pytest.approx(float(losses[0][0]), rel=1e-6)
+    assert int(losses[1][1]) == int(losses[0][1]) == short.n_tokens
