@@ -195,6 +195,7 @@ def main() -> None:
             print(f"{LABELS[name]}: failed\n{proc.stderr[-3000:]}")
             continue
         results[name] = json.loads(lines[-1][len("RESULT ") :])
+        print(f"{LABELS[name]}: {json.dumps(results[name])}", flush=True)
     base = results.get("hf", {}).get("tokens_per_s")
     print(
         f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {args.batch} x {args.seq} tokens, "
