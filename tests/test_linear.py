@@ -120,7 +120,7 @@ def test_reference_uses_dequantized_weights():
 
 @pytest.mark.parametrize("name", ["qkv_nf4_bias", "gate_up_nf4", "gate_up_nf4_dropout"])
 def test_backward_redequantizes_into_the_shared_buffer(name):
-    """A as extra rows (qkv), B as extra columns (gate/up), and B with a dropout input."""
+    """LoRA added to y (qkv), B as extra columns (gate/up), and B with a dropout input."""
     x, lora_x, weights, biases, lora_a, lora_b = _make(CASES[name])
     grad_out = torch.randn(2, 5, sum(CASES[name][1]))
     buffer = torch.empty(buffer_numel(weights, lora_a) + 10)
