@@ -291,12 +291,13 @@ def _train_step(run: Run, step: int) -> tuple[float, int, int]:
         indices = dist.micro_batches(step, config.gradient_accumulation_steps)
         batches = [plan.batch(*divmod(index, plan.num_batches)) for index in indices]
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
+    scale = dist.world_size / max(1, trained)
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
     for i, batch in enumerate(batches):
         if run.graphed is not None:
             inputs = batch.padded_to(config.micro_batch_size)
             tensors = (inputs.input_ids, inputs.labels, inputs.position_ids, inputs.doc_ids)
-            loss_total += run.graphed(tensors, 1, dist.world_size / max(1, trained))
+            loss_total += run.graphed(tensors, 1, scale)
             continue
         with region("data"):
             batch = batch.to(run.device)
@@ -305,7 +306,7 @@ def _train_step(run: Run, step: int) -> tuple[float, int, int]:
                 batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
             )
             with region("backward"):
-                (loss_sum * dist.world_size / max(1, trained)).backward()
+                (loss_sum * scale).backward()
         loss_total += loss_sum.detach()
     return float(loss_total), trained, sum(b.input_ids.numel() for b in batches)
 
