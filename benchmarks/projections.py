@@ -2,10 +2,11 @@
 
 Usage: python -m benchmarks.projections [--model qwen2.5-7b] [--tokens 8192] [--rank 16]
 
-For qkv, o, gate/up and down at a model's shapes (NF4 weights, bf16 activations), times
-`kernels.linear.lora_linear` forward, and forward + backward, bare and with LoRA on every
-projection. Replaying a captured graph leaves out Python's launch overhead, so the difference is
-what LoRA costs the GPU.
+At a model's shapes (NF4 weights, bf16 activations) times, bare and with LoRA on every
+projection, forward and forward + backward of what the model runs: `kernels.linear.lora_linear`
+for qkv and o, and for the MLP gate/up (`lora_linear_a`) → SwiGLU (`kernels.swiglu.lora_swiglu`)
+→ down (`lora_linear_b`), where the MLP's LoRA is split across the three. Replaying a captured
+graph leaves out Python's launch overhead, so the difference is what LoRA costs the GPU.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import argparse
 import torch
 
 from benchmarks.shapes import QWEN25
-from kernels.linear import buffer_numel, lora_linear
+from kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from kernels.nf4 import quantize_nf4
+from kernels.swiglu import lora_swiglu
 
 
 def replay_us(fn, replays: int = 20) -> float:
@@ -48,40 +50,77 @@ def projection_groups(name: str) -> dict[str, tuple[list[tuple[int, int]], bool]
     return {
         "qkv": ([(h, h), (kv, h), (kv, h)], True),
         "o": ([(h, h)], False),
-        "gate_up": ([(inter, h), (inter, h)], False),
-        "down": ([(h, inter)], False),
+        "mlp": ([(inter, h), (inter, h), (h, inter)], False),
     }
 
 
-def time_group(sizes, bias: bool, tokens: int, rank: int) -> dict[str, float]:
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    dtype = torch.bfloat16
-
+def _randn(generator):
     def randn(*shape, scale=1.0, **kwargs):
         return torch.randn(*shape, device="cuda", generator=generator, **kwargs) * scale
 
-    weights = [quantize_nf4(randn(out, inp, scale=inp**-0.5).to(dtype)) for out, inp in sizes]
-    biases = [randn(out, scale=0.1).to(dtype) if bias else None for out, _ in sizes]
-    in_features = sizes[0][1]
-    lora_a = [randn(rank, in_features, scale=0.01).requires_grad_() for _ in sizes]
+    return randn
+
+
+def _lora(randn, sizes, rank):
+    weights = [quantize_nf4((randn(out, inp, scale=inp**-0.5)).bfloat16()) for out, inp in sizes]
+    lora_a = [randn(rank, inp, scale=0.01).requires_grad_() for _, inp in sizes]
     lora_b = [randn(out, rank, scale=0.01).requires_grad_() for out, _ in sizes]
-    buffer = torch.empty(buffer_numel(weights, lora_a), dtype=dtype, device="cuda")
-    x = randn(tokens, in_features).to(dtype).requires_grad_()
-    dy = randn(tokens, sum(out for out, _ in sizes)).to(dtype)
+    return weights, lora_a, lora_b
+
+
+def _timings(forward, both) -> dict[str, float]:
+    return {
+        "bare_fwd": replay_us(lambda: forward(False)),
+        "bare_both": replay_us(lambda: both(False)),
+        "lora_fwd": replay_us(lambda: forward(True)),
+        "lora_both": replay_us(lambda: both(True)),
+    }
+
+
+def time_mlp(sizes, tokens: int, rank: int) -> dict[str, float]:
+    """gate/up → SwiGLU → down as the model runs it, LoRA's B of gate/up and A of down in SwiGLU."""
+    randn = _randn(torch.Generator(device="cuda").manual_seed(0))
+    weights, lora_a, lora_b = _lora(randn, sizes, rank)
+    hidden = sizes[0][1]
+    buffer = torch.empty(
+        max(buffer_numel(weights[:2], lora_a[:2]), buffer_numel(weights[2:], lora_a[2:])),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    x = randn(tokens, hidden).bfloat16().requires_grad_()
+    dy = randn(tokens, hidden).bfloat16()
+
+    def forward(lora):
+        a, b = (lora_a, lora_b) if lora else ([None] * 3, [None] * 3)
+        gate_up, t = lora_linear_a(x, weights[:2], [None, None], a[:2], buffer=buffer)
+        h, down_t = lora_swiglu(gate_up, t, b[0], b[1], 2.0, a[2])
+        return lora_linear_b(h, down_t, weights[2:], [None], b[2:], 2.0, buffer=buffer)
+
+    def both(lora):
+        leaves = [x, *lora_a, *lora_b] if lora else [x]
+        return torch.autograd.grad(forward(lora), leaves, dy)
+
+    return _timings(forward, both)
+
+
+def time_group(sizes, bias: bool, tokens: int, rank: int) -> dict[str, float]:
+    randn = _randn(torch.Generator(device="cuda").manual_seed(0))
+    weights, lora_a, lora_b = _lora(randn, sizes, rank)
+    biases = [randn(out, scale=0.1).bfloat16() if bias else None for out, _ in sizes]
+    buffer = torch.empty(buffer_numel(weights, lora_a), dtype=torch.bfloat16, device="cuda")
+    x = randn(tokens, sizes[0][1]).bfloat16().requires_grad_()
+    dy = randn(tokens, sum(out for out, _ in sizes)).bfloat16()
     none = [None] * len(sizes)
 
-    def forward(a, b):
+    def forward(lora):
+        a, b = (lora_a, lora_b) if lora else (none, none)
         return lora_linear(x, weights, biases, a, b, 2.0, buffer=buffer)
 
-    def both(a, b):
-        return torch.autograd.grad(forward(a, b), [x, *[t for t in a + b if t is not None]], dy)
+    def both(lora):
+        leaves = [x, *lora_a, *lora_b] if lora else [x]
+        return torch.autograd.grad(forward(lora), leaves, dy)
 
-    return {
-        "bare_fwd": replay_us(lambda: forward(none, none)),
-        "bare_both": replay_us(lambda: both(none, none)),
-        "lora_fwd": replay_us(lambda: forward(lora_a, lora_b)),
-        "lora_both": replay_us(lambda: both(lora_a, lora_b)),
-    }
+    return _timings(forward, both)
 
 
 def main() -> None:
@@ -95,7 +134,10 @@ def main() -> None:
     print(f"{args.model}, {args.tokens} tokens, LoRA r {args.rank}, µs per call (CUDA-graph replays)")
     print(f"{'group':<9}{'bare fwd':>10}{'LoRA fwd':>10}{'+':>8}{'bare f+b':>10}{'LoRA f+b':>10}{'+':>8}")
     for name, (sizes, bias) in projection_groups(args.model).items():
-        t = time_group(sizes, bias, args.tokens, args.rank)
+        if name == "mlp":
+            t = time_mlp(sizes, args.tokens, args.rank)
+        else:
+            t = time_group(sizes, bias, args.tokens, args.rank)
         print(
             f"{name:<9}{t['bare_fwd']:>10.1f}{t['lora_fwd']:>10.1f}{t['lora_fwd'] - t['bare_fwd']:>8.1f}"
             f"{t['bare_both']:>10.1f}{t['lora_both']:>10.1f}{t['lora_both'] - t['bare_both']:>8.1f}",

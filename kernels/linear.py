@@ -14,6 +14,9 @@ the bytes it moves:
     place. Timed on an H200 as CUDA-graph replays, this beat carrying A as extra rows of W (one
     GEMM writes y and t side by side, then torch.addmm copies the row-strided y) by 30-100 us a
     call at Qwen2.5 1.5B and 7B shapes.
+The MLP splits LoRA across its ops (kernels.swiglu): the gate/up projection stops at t =
+lora_x @ A^T (`lora_linear_a`), SwiGLU adds B, and the down projection starts from the t that
+SwiGLU forms (`lora_linear_b`), so neither of their GEMMs carries rank columns.
 Backward re-dequantizes W instead of keeping it and goes through the small rank first: with B
 as extra columns, dY @ [W | B] gives dX and g = dY @ B in one GEMM, so nothing of size out x in
 outlives a call. A checkpoint recompute can skip the GEMM (`need_output=False`): backward needs
@@ -87,6 +90,27 @@ def lora_linear_reference(
             y = y + scaling * ((lora_x @ a.to(x.dtype).T) @ b.to(x.dtype).T)
         outputs.append(y)
     return torch.cat(outputs, dim=-1)
+
+
+def lora_linear_a_reference(x, weights, biases, lora_a, lora_x=None):
+    none = [None] * len(weights)
+    y = lora_linear_reference(x, weights, biases, none, none, 0.0)
+    present = [a.to(x.dtype) for a in lora_a if a is not None]
+    t = ((x if lora_x is None else lora_x) @ torch.cat(present).T) if present else None
+    return y, t
+
+
+def lora_linear_b_reference(x, lora_t, weights, biases, lora_b, scaling):
+    y = lora_linear_reference(x, weights, biases, [None] * len(weights), [None] * len(weights), 0.0)
+    parts, rank_start = [], 0
+    for weight, b in zip(weights, lora_b, strict=True):
+        if b is None:
+            parts.append(torch.zeros(*x.shape[:-1], _out_features(weight), dtype=x.dtype, device=x.device))
+            continue
+        t = lora_t[..., rank_start : rank_start + b.shape[1]]
+        parts.append(scaling * (t @ b.to(x.dtype).T))
+        rank_start += b.shape[1]
+    return y + torch.cat(parts, dim=-1)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -164,22 +188,27 @@ def _stacked_bias(
 
 
 def _check_arguments(x, weights, biases, lora_a, lora_b, lora_x) -> None:
+    """lora_a or lora_b may be None as a whole (the split calls take one side only)."""
     count = len(weights)
-    if count == 0 or not (len(biases) == len(lora_a) == len(lora_b) == count):
+    sides = [side for side in (lora_a, lora_b) if side is not None]
+    if count == 0 or len(biases) != count or any(len(side) != count for side in sides):
         raise ValueError("weights, biases, lora_a and lora_b need one entry per projection")
     in_features = x.shape[-1]
-    for p, (weight, a, b) in enumerate(zip(weights, lora_a, lora_b, strict=True)):
+    for p, weight in enumerate(weights):
         if len(weight.shape) != 2 or _in_features(weight) != in_features:
             raise ValueError(
                 f"projection {p}: weight shape {tuple(weight.shape)} does not take {in_features} inputs"
             )
-        if (a is None) != (b is None):
+        a = None if lora_a is None else lora_a[p]
+        b = None if lora_b is None else lora_b[p]
+        if lora_a is not None and lora_b is not None and (a is None) != (b is None):
             raise ValueError(f"projection {p}: lora_a and lora_b must both be given or both be None")
-        if a is not None and (a.shape[1] != in_features or b.shape != (_out_features(weight), a.shape[0])):
-            raise ValueError(
-                f"projection {p}: LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
-                f"weight {tuple(weight.shape)}"
-            )
+        fits_a = a is None or a.shape[1] == in_features
+        fits_b = b is None or b.shape[0] == _out_features(weight)
+        fits_ranks = a is None or b is None or a.shape[0] == b.shape[1]
+        if not (fits_a and fits_b and fits_ranks):
+            shapes = ", ".join(f"{n} {tuple(m.shape)}" for n, m in (("A", a), ("B", b)) if m is not None)
+            raise ValueError(f"projection {p}: LoRA shapes {shapes} do not fit weight {tuple(weight.shape)}")
     if lora_x is not None and lora_x.shape != x.shape:
         raise ValueError(f"lora_x has shape {tuple(lora_x.shape)}, x has {tuple(x.shape)}")
 
@@ -202,7 +231,7 @@ class LoRALinearFunction(torch.autograd.Function):
         bias = _stacked_bias(biases, weights, x) if need_output else None
         out = t = None
         if lora_index:
-            slices = list(_lora_slices(weights, lora_index, lora_a))
+            slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
             a_cat = torch.cat([a.to(dtype) for a in lora_a])
             b_columns = _lora_b_columns(lora_b, slices, out_features, dtype) if need_output else None
             t = lora_rows @ a_cat.T
@@ -239,7 +268,7 @@ class LoRALinearFunction(torch.autograd.Function):
             if need_dx:
                 dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
         else:
-            slices = list(_lora_slices(weights, lora_index, lora_a))
+            slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
             b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
             a_cat = torch.cat([a.to(dtype) for a in lora_a])
             # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks]; with B as
@@ -270,19 +299,174 @@ class LoRALinearFunction(torch.autograd.Function):
         return dx, dlora_x, None, None, None, None, None, None, *grads
 
 
-def _lora_slices(weights, lora_index, lora_a):
-    """(rank columns of t, output columns of y) for each projection with LoRA."""
+class LoRAAFunction(torch.autograd.Function):
+    """y = x @ W^T + bias and, beside it, t = lora_x @ A_cat^T; LoRA's B is the consumer's.
+
+    Backward: dX = dY @ W + dt @ A_cat (in place), dA = dt^T @ lora_x. Arguments after
+    `need_output` are the A's of the projections that carry LoRA.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_x, weights, biases, buffer, need_output, *lora_a):
+        dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1])
+        lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
+        out_features = sum(_out_features(w) for w in weights)
+        t = lora_rows @ torch.cat([a.to(dtype) for a in lora_a]).T
+        if need_output:
+            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
+        else:
+            out = rows.new_empty(rows.shape[0], out_features)
+        ctx.save_for_backward(x, lora_x, *lora_a)
+        ctx.weights, ctx.buffer = weights, buffer
+        lead = x.shape[:-1]
+        return out.view(*lead, out_features), t.view(*lead, t.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_t):
+        x, lora_x, *lora_a = ctx.saved_tensors
+        dtype = x.dtype
+        in_features = x.shape[-1]
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        dt = grad_t.reshape(-1, grad_t.shape[-1]).to(dtype)
+        a_cat = torch.cat([a.to(dtype) for a in lora_a])
+        dx = dlora_x = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ _stacked_weight(ctx.weights, dtype, ctx.buffer)
+        if lora_x is None:
+            lora_rows = x.reshape(-1, in_features)
+            if dx is not None:
+                dx.addmm_(dt, a_cat)
+        else:
+            lora_rows = lora_x.reshape(-1, in_features)
+            if ctx.needs_input_grad[1]:
+                dlora_x = (dt @ a_cat).view(x.shape)
+        da_cat = dt.T @ lora_rows
+        grads, start = [], 0
+        for a in lora_a:
+            grads.append(da_cat[start : start + a.shape[0]].to(a.dtype))
+            start += a.shape[0]
+        return None if dx is None else dx.view(x.shape), dlora_x, None, None, None, None, *grads
+
+
+class LoRABFunction(torch.autograd.Function):
+    """y = x @ W^T + bias + scaling * t @ B^T for a t formed elsewhere (kernels.swiglu's down_t).
+
+    Backward needs only t: dX = dY @ W with g = dY @ B as its extra columns, dt = scaling * g,
+    dB = scaling * dY^T @ t. Arguments after `lora_index` are the B's of the projections with LoRA.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_t, scaling, weights, biases, buffer, need_output, lora_index, *lora_b):
+        dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1])
+        t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
+        out_features = sum(_out_features(w) for w in weights)
+        slices = list(_lora_slices(weights, lora_index, [b.shape[1] for b in lora_b]))
+        if need_output:
+            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
+            out.addmm_(t, _lora_b_columns(lora_b, slices, out_features, dtype).T, alpha=scaling)
+        else:
+            out = rows.new_empty(rows.shape[0], out_features)
+        ctx.save_for_backward(lora_t, *lora_b)
+        ctx.x_shape, ctx.scaling, ctx.slices = x.shape, scaling, slices
+        ctx.weights, ctx.buffer = weights, buffer
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lora_t, *lora_b = ctx.saved_tensors
+        weights, scaling, slices = ctx.weights, ctx.scaling, ctx.slices
+        dtype = grad_out.dtype
+        in_features = ctx.x_shape[-1]
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
+        b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
+        dx = None
+        if ctx.needs_input_grad[0] and _takes_extra_columns(weights):
+            joined = dy @ _stacked_weight(weights, dtype, ctx.buffer, extra_columns=b_columns)
+            dx, g = joined[:, :in_features], joined[:, in_features:]
+        else:
+            dx = dy @ _stacked_weight(weights, dtype, ctx.buffer) if ctx.needs_input_grad[0] else None
+            g = dy @ b_columns
+        dt = (g * scaling).to(lora_t.dtype).view(lora_t.shape)
+        db_cat = torch.mm(dy.T, t).mul_(scaling)
+        grads = [
+            db_cat[out_slice, rank_slice].to(b.dtype)
+            for b, (rank_slice, out_slice) in zip(lora_b, slices, strict=True)
+        ]
+        dx = None if dx is None else dx.reshape(ctx.x_shape)
+        return dx, dt, None, None, None, None, None, None, *grads
+
+
+def _lora_slices(weights, lora_index, ranks):
+    """(rank columns of t, output columns of y) for each projection with LoRA, of the given ranks."""
     out_starts = [0]
     for weight in weights:
         out_starts.append(out_starts[-1] + _out_features(weight))
     rank_start = 0
-    for p, a in zip(lora_index, lora_a, strict=True):
-        rank = a.shape[0]
+    for p, rank in zip(lora_index, ranks, strict=True):
         yield slice(rank_start, rank_start + rank), slice(out_starts[p], out_starts[p + 1])
         rank_start += rank
 
 
 # ----------------------------------------------------------------------------- public
+
+
+def _lora_index(lora_params) -> tuple[int, ...]:
+    return tuple(p for p, tensor in enumerate(lora_params) if tensor is not None)
+
+
+def lora_linear_a(
+    x: torch.Tensor,
+    weights: Sequence[FrozenWeight],
+    biases: Sequence[torch.Tensor | None],
+    lora_a: Sequence[torch.Tensor | None],
+    lora_x: torch.Tensor | None = None,
+    buffer: torch.Tensor | None = None,
+    need_output: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x @ W^T + bias [..., sum(out_p)], t = lora_x @ A^T [..., sum(r_p)] or None without LoRA):
+    the frozen projection with LoRA's first product only; whoever reads y adds t @ B^T."""
+    _check_arguments(x, weights, biases, lora_a, None, lora_x)
+    if lora_x is x:
+        lora_x = None
+    none = [None] * len(weights)
+    lora_index = _lora_index(lora_a)
+    if not lora_index:
+        return lora_linear(x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output), None
+    if not use_triton(x):
+        return lora_linear_a_reference(x, weights, biases, lora_a, lora_x)
+    present = [lora_a[p] for p in lora_index]
+    return LoRAAFunction.apply(x, lora_x, tuple(weights), tuple(biases), buffer, need_output, *present)
+
+
+def lora_linear_b(
+    x: torch.Tensor,
+    lora_t: torch.Tensor | None,
+    weights: Sequence[FrozenWeight],
+    biases: Sequence[torch.Tensor | None],
+    lora_b: Sequence[torch.Tensor | None],
+    scaling: float,
+    buffer: torch.Tensor | None = None,
+    need_output: bool = True,
+) -> torch.Tensor:
+    """x @ W^T + bias + scaling * lora_t @ B^T, lora_t's columns being the ranks of the B's given
+    in order. need_output=False skips the GEMM as in `lora_linear`; backward never reads x."""
+    _check_arguments(x, weights, biases, None, lora_b, None)
+    none = [None] * len(weights)
+    lora_index = _lora_index(lora_b)
+    if not lora_index:
+        return lora_linear(x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output)
+    present = [lora_b[p] for p in lora_index]
+    ranks = sum(b.shape[1] for b in present)
+    if lora_t is None or lora_t.shape[:-1] != x.shape[:-1] or lora_t.shape[-1] != ranks:
+        raise ValueError(f"lora_t must be [..., {ranks}] beside x {tuple(x.shape)}")
+    if not use_triton(x):
+        return lora_linear_b_reference(x, lora_t, weights, biases, lora_b, scaling)
+    return LoRABFunction.apply(
+        x, lora_t, scaling, tuple(weights), tuple(biases), buffer, need_output, lora_index, *present
+    )
 
 
 def lora_linear(

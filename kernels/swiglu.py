@@ -1,7 +1,19 @@
-"""SwiGLU on the fused gate/up projection output: silu(gate) * up.
+"""SwiGLU on the gate/up projection's output, with the MLP's LoRA work that touches it fused in.
 
-Backward recomputes silu from the saved gate/up input instead of keeping activations, and writes
-the gradient of the whole fused [gate | up] tensor in one kernel.
+    gate = gate_base + s * t_gate @ B_gate^T        up = up_base + s * t_up @ B_up^T
+    h = silu(gate) * up                              down_t = h @ A_down^T
+
+The gate/up projection hands over its frozen output and t = x @ A^T; the down projection takes
+h and down_t. Done here, LoRA's products ride on the passes SwiGLU makes over the wide
+[tokens, 2 * intermediate] tensors anyway, and the projections' GEMMs keep their natural shape:
+B as extra K columns made the gate/up GEMM's K 3,584 + 32 at Qwen2.5-7B, about 240 us slower,
+plus 115 us for the copy [x | t]. Backward works the same way: one pass over dh, gate and up
+gives dgate_up, and, as sums over tokens, B_gate's and B_up's gradients and A_down's (from
+down_t's gradient and the recomputed h). So the down projection keeps only down_t for its
+backward, not h.
+
+Neither h nor silu(gate) is kept: backward recomputes them from the saved gate/up. A checkpoint
+recompute needs only down_t (need_output=False skips writing h).
 """
 
 import torch
@@ -16,10 +28,40 @@ from kernels._dispatch import use_triton
 # ---------------------------------------------------------------------------------------------
 
 
-def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """HF Qwen2MLP's act_fn(gate) * up, on gate and up laid side by side in the last dim."""
+def lora_swiglu_reference(
+    gate_up: torch.Tensor,
+    lora_t: torch.Tensor | None = None,
+    gate_b: torch.Tensor | None = None,
+    up_b: torch.Tensor | None = None,
+    scaling: float = 0.0,
+    down_a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF Qwen2MLP with PEFT's LoRA: act_fn(gate) * up, then down_proj's lora_A product.
+
+    lora_t's columns are the ranks of the B's given, gate's first.
+    """
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    dtype = gate_up.dtype
+    t_gate, t_up = _split_ranks(lora_t, gate_b, up_b)
+    if gate_b is not None:
+        gate = gate + scaling * (t_gate @ gate_b.to(dtype).T)
+    if up_b is not None:
+        up = up + scaling * (t_up @ up_b.to(dtype).T)
+    h = F.silu(gate) * up
+    down_t = None if down_a is None else h @ down_a.to(dtype).T
+    return h, down_t
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    return lora_swiglu_reference(gate_up)[0]
+
+
+def _split_ranks(lora_t, gate_b, up_b):
+    """(t columns of gate's B, of up's B): gate's ranks come first in lora_t."""
+    gate_rank = 0 if gate_b is None else gate_b.shape[1]
+    t_gate = None if gate_b is None else lora_t[..., :gate_rank]
+    t_up = None if up_b is None else lora_t[..., gate_rank : gate_rank + up_b.shape[1]]
+    return t_gate, t_up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,42 +70,206 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate_ptrs = gate_up_ptr + row * gate_up_row_stride + cols
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+def _lora_add(base, t, b_ptr, cols, col_mask, ranks, rank, scaling):
+    """base + scaling * t @ B[cols]^T, B [n_cols, rank] row-major; the product accumulates in fp32."""
+    b = tl.load(
+        b_ptr + cols[:, None] * rank + ranks[None, :],
+        mask=col_mask[:, None] & (ranks[None, :] < rank),
+        other=0.0,
+    )
+    return base + scaling * tl.dot(t, tl.trans(b))
 
 
 @triton.jit
-def _swiglu_bwd_kernel(
-    dout_ptr, gate_up_ptr, dgate_up_ptr, dout_row_stride, gate_up_row_stride, n_cols, BLOCK: tl.constexpr
+def _lora_swiglu_fwd_kernel(
+    gate_up_ptr,
+    t_gate_ptr,
+    t_up_ptr,
+    gate_b_ptr,
+    up_b_ptr,
+    down_a_ptr,
+    h_ptr,
+    down_t_ptr,
+    n_rows,
+    n_cols,
+    cols_per_split,
+    gate_up_stride,
+    t_stride,
+    rank,
+    down_rank,
+    scaling,
+    GATE_LORA: tl.constexpr,
+    UP_LORA: tl.constexpr,
+    DOWN_LORA: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    DOWN_RANK_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate_ptrs = gate_up_ptr + row * gate_up_row_stride + cols
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-    dout = tl.load(dout_ptr + row * dout_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = dout * silu
-    dgate_ptrs = dgate_up_ptr + row * (2 * n_cols) + cols
-    tl.store(dgate_ptrs, dgate.to(dgate_up_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgate_ptrs + n_cols, dup.to(dgate_up_ptr.dtype.element_ty), mask=mask)
+    """One program: BLOCK_T tokens across one split of the columns; it writes its split's part of
+    down_t's sum over columns in fp32, and the launcher adds the splits."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    first_col = split * cols_per_split
+    row_mask = rows < n_rows
+    ranks = tl.arange(0, RANK_BLOCK)
+    t_mask = row_mask[:, None] & (ranks[None, :] < rank)
+    if GATE_LORA:
+        t_gate = tl.load(t_gate_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
+    if UP_LORA:
+        t_up = tl.load(t_up_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
+    down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
+    down_t = tl.zeros([BLOCK_T, DOWN_RANK_BLOCK], dtype=tl.float32)
+    for start in range(first_col, first_col + cols_per_split, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+        if GATE_LORA:
+            gate = _lora_add(gate, t_gate, gate_b_ptr, cols, col_mask, ranks, rank, scaling)
+        if UP_LORA:
+            up = _lora_add(up, t_up, up_b_ptr, cols, col_mask, ranks, rank, scaling)
+        h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
+        if STORE_H:
+            tl.store(h_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
+        if DOWN_LORA:
+            a_t = tl.load(
+                down_a_ptr + down_ranks[None, :] * n_cols + cols[:, None],
+                mask=col_mask[:, None] & (down_ranks[None, :] < down_rank),
+                other=0.0,
+            )
+            down_t += tl.dot(h, a_t)
+    if DOWN_LORA:
+        tl.store(
+            down_t_ptr + (split * n_rows + rows[:, None]) * down_rank + down_ranks[None, :],
+            down_t,
+            mask=row_mask[:, None] & (down_ranks[None, :] < down_rank),
+        )
+
+
+@triton.jit
+def _lora_swiglu_bwd_kernel(
+    dh_ptr,
+    down_dt_ptr,
+    gate_up_ptr,
+    t_gate_ptr,
+    t_up_ptr,
+    gate_b_ptr,
+    up_b_ptr,
+    down_a_ptr,
+    dgate_up_ptr,
+    dgate_b_ptr,
+    dup_b_ptr,
+    ddown_a_ptr,
+    n_rows,
+    n_cols,
+    rows_per_split,
+    dh_stride,
+    gate_up_stride,
+    t_stride,
+    rank,
+    down_rank,
+    scaling,
+    GATE_LORA: tl.constexpr,
+    UP_LORA: tl.constexpr,
+    DOWN_LORA: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    DOWN_RANK_BLOCK: tl.constexpr,
+):
+    """One program: BLOCK_N columns down one split of the tokens; it writes its split's part of
+    the weight gradients' sums over tokens in fp32, without atomics, and the launcher adds the
+    splits."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    first_row = split * rows_per_split
+    col_mask = cols < n_cols
+    ranks = tl.arange(0, RANK_BLOCK)
+    down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
+    down_rank_mask = down_ranks < down_rank
+    if DOWN_LORA:
+        down_a = tl.load(
+            down_a_ptr + down_ranks[:, None] * n_cols + cols[None, :],
+            mask=down_rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+    dgate_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
+    dup_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
+    ddown_a = tl.zeros([DOWN_RANK_BLOCK, BLOCK_N], dtype=tl.float32)
+    for start in range(first_row, first_row + rows_per_split, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        t_mask = row_mask[:, None] & (ranks[None, :] < rank)
+        gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+        if GATE_LORA:
+            t_gate = tl.load(t_gate_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
+            gate = _lora_add(gate, t_gate, gate_b_ptr, cols, col_mask, ranks, rank, scaling)
+        if UP_LORA:
+            t_up = tl.load(t_up_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
+            up = _lora_add(up, t_up, up_b_ptr, cols, col_mask, ranks, rank, scaling)
+        dh = tl.load(dh_ptr + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        if DOWN_LORA:
+            down_dt = tl.load(
+                down_dt_ptr + rows[:, None] * down_rank + down_ranks[None, :],
+                mask=row_mask[:, None] & down_rank_mask[None, :],
+                other=0.0,
+            )
+            dh += tl.dot(down_dt, down_a)
+            h = (silu * up).to(down_dt.dtype)
+            ddown_a += tl.dot(tl.trans(down_dt), h)
+        dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_up_ptr.dtype.element_ty)
+        dup = (dh * silu).to(dgate_up_ptr.dtype.element_ty)
+        dgate_ptrs = dgate_up_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+        tl.store(dgate_ptrs, dgate, mask=mask)
+        tl.store(dgate_ptrs + n_cols, dup, mask=mask)
+        if GATE_LORA:
+            dgate_b += tl.dot(tl.trans(dgate), t_gate)
+        if UP_LORA:
+            dup_b += tl.dot(tl.trans(dup), t_up)
+    b_ptrs = (split * n_cols + cols[:, None]) * rank + ranks[None, :]
+    b_mask = col_mask[:, None] & (ranks[None, :] < rank)
+    if GATE_LORA:
+        tl.store(dgate_b_ptr + b_ptrs, dgate_b * scaling, mask=b_mask)
+    if UP_LORA:
+        tl.store(dup_b_ptr + b_ptrs, dup_b * scaling, mask=b_mask)
+    if DOWN_LORA:
+        tl.store(
+            ddown_a_ptr + (split * down_rank + down_ranks[:, None]) * n_cols + cols[None, :],
+            ddown_a,
+            mask=down_rank_mask[:, None] & col_mask[None, :],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-_BLOCK = 1024
+_FWD_BLOCK_T, _FWD_BLOCK_N = 64, 64
+_BWD_BLOCK_T, _BWD_BLOCK_N = 64, 64
+# Both passes are bound by memory, and one program a row (or column) of tiles is too few to keep
+# HBM busy: 128 programs at 8,192 tokens. With LoRA, each pass is split along the dimension it
+# sums over until about this many programs run, and the fp32 partial sums (a few MB at most)
+# are added afterwards.
+_PROGRAMS = 1024
+
+
+def _splits(blocks: int, programs: int, reduced: bool) -> tuple[int, int]:
+    """(splits, blocks per split) of `blocks` so `programs` x splits reaches _PROGRAMS; with
+    nothing summed along them (no LoRA), every block is its own program."""
+    if not reduced:
+        return blocks, 1
+    splits = min(blocks, max(1, triton.cdiv(_PROGRAMS, programs)))
+    per_split = triton.cdiv(blocks, splits)
+    return triton.cdiv(blocks, per_split), per_split
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -72,34 +278,137 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
-def _grid_and_block(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(_BLOCK, triton.next_power_of_2(n_cols))
-    return (n_rows, triton.cdiv(n_cols, block)), block
+def _rank_block(rank: int) -> int:
+    """tl.dot takes no dimension under 16."""
+    return max(16, triton.next_power_of_2(max(rank, 1)))
 
 
-def _swiglu_forward(gate_up: torch.Tensor) -> torch.Tensor:
+def _b_rows(b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if b is None else b.to(dtype).contiguous()
+
+
+def _check(gate_up, lora_t, gate_b, up_b, down_a) -> None:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate | up), got {gate_up.shape[-1]}")
     if not gate_up.is_floating_point():
         raise TypeError(f"swiglu needs a floating-point input, got {gate_up.dtype}")
-    gate_up2d = _rows(gate_up)
-    n_rows, n_cols = gate_up2d.shape[0], gate_up2d.shape[1] // 2
-    out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    grid, block = _grid_and_block(n_rows, n_cols)
-    _swiglu_fwd_kernel[grid](gate_up2d, out, gate_up2d.stride(0), n_cols, BLOCK=block)
-    return out.view(*gate_up.shape[:-1], n_cols)
+    intermediate = gate_up.shape[-1] // 2
+    ranks = [b.shape[1] for b in (gate_b, up_b) if b is not None]
+    for name, b in (("gate_b", gate_b), ("up_b", up_b)):
+        if b is not None and (b.dim() != 2 or b.shape[0] != intermediate):
+            raise ValueError(f"{name} must be [{intermediate}, rank], got {tuple(b.shape)}")
+    if len(set(ranks)) > 1:
+        raise ValueError(f"gate_b and up_b must share one rank, got {ranks}")
+    if ranks and (
+        lora_t is None or lora_t.shape[:-1] != gate_up.shape[:-1] or lora_t.shape[-1] != sum(ranks)
+    ):
+        raise ValueError(f"lora_t must be [..., {sum(ranks)}] beside gate_up {tuple(gate_up.shape)}")
+    if down_a is not None and (down_a.dim() != 2 or down_a.shape[1] != intermediate):
+        raise ValueError(f"down_a must be [rank, {intermediate}], got {tuple(down_a.shape)}")
 
 
-def _swiglu_backward(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output):
     gate_up2d = _rows(gate_up)
     n_rows, n_cols = gate_up2d.shape[0], gate_up2d.shape[1] // 2
-    dout2d = _rows(dout)
-    dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    grid, block = _grid_and_block(n_rows, n_cols)
-    _swiglu_bwd_kernel[grid](
-        dout2d, gate_up2d, dgate_up, dout2d.stride(0), gate_up2d.stride(0), n_cols, BLOCK=block
+    dtype, device = gate_up.dtype, gate_up.device
+    t2d = gate_up2d if lora_t is None else _rows(lora_t)
+    rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
+    down_rank = 0 if down_a is None else down_a.shape[0]
+    h = torch.empty((n_rows, n_cols), dtype=dtype, device=device)
+    row_blocks = triton.cdiv(n_rows, _FWD_BLOCK_T)
+    splits, blocks_per_split = _splits(triton.cdiv(n_cols, _FWD_BLOCK_N), row_blocks, down_a is not None)
+    partial = (
+        torch.empty((splits, n_rows, down_rank), dtype=torch.float32, device=device)
+        if down_a is not None
+        else None
     )
-    return dgate_up.view(gate_up.shape)
+    b_gate, b_up = _b_rows(gate_b, dtype), _b_rows(up_b, dtype)
+    a_down = _b_rows(down_a, dtype)
+    grid = (row_blocks, splits)
+    _lora_swiglu_fwd_kernel[grid](
+        gate_up2d,
+        t2d,
+        t2d[:, rank if gate_b is not None else 0 :],
+        gate_up2d if b_gate is None else b_gate,
+        gate_up2d if b_up is None else b_up,
+        gate_up2d if a_down is None else a_down,
+        h,
+        h if partial is None else partial,
+        n_rows,
+        n_cols,
+        blocks_per_split * _FWD_BLOCK_N,
+        gate_up2d.stride(0),
+        t2d.stride(0),
+        rank,
+        down_rank,
+        float(scaling),
+        GATE_LORA=gate_b is not None,
+        UP_LORA=up_b is not None,
+        DOWN_LORA=down_a is not None,
+        STORE_H=need_output,
+        BLOCK_T=_FWD_BLOCK_T,
+        BLOCK_N=_FWD_BLOCK_N,
+        RANK_BLOCK=_rank_block(rank),
+        DOWN_RANK_BLOCK=_rank_block(down_rank),
+    )
+    return h, None if partial is None else partial.sum(0).to(dtype)
+
+
+def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a):
+    """(dgate_up, dB_gate, dB_up, dA_down): the weight gradients in fp32, None where absent."""
+    gate_up2d = _rows(gate_up)
+    n_rows, n_cols = gate_up2d.shape[0], gate_up2d.shape[1] // 2
+    dtype, device = gate_up.dtype, gate_up.device
+    dh2d = _rows(dh)
+    t2d = gate_up2d if lora_t is None else _rows(lora_t)
+    rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
+    down_rank = 0 if down_a is None else down_a.shape[0]
+    down_dt2d = dh2d if down_dt is None else _rows(down_dt.to(dtype))
+    dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=dtype, device=device)
+    col_blocks = triton.cdiv(n_cols, _BWD_BLOCK_N)
+    any_lora = any(m is not None for m in (gate_b, up_b, down_a))
+    splits, blocks_per_split = _splits(triton.cdiv(n_rows, _BWD_BLOCK_T), col_blocks, any_lora)
+
+    def fp32(*shape, present):
+        return torch.empty((splits, *shape), dtype=torch.float32, device=device) if present else None
+
+    dgate_b = fp32(n_cols, rank, present=gate_b is not None)
+    dup_b = fp32(n_cols, rank, present=up_b is not None)
+    ddown_a = fp32(down_rank, n_cols, present=down_a is not None)
+    b_gate, b_up = _b_rows(gate_b, dtype), _b_rows(up_b, dtype)
+    a_down = _b_rows(down_a, dtype)
+    grid = (col_blocks, splits)
+    _lora_swiglu_bwd_kernel[grid](
+        dh2d,
+        down_dt2d,
+        gate_up2d,
+        t2d,
+        t2d[:, rank if gate_b is not None else 0 :],
+        gate_up2d if b_gate is None else b_gate,
+        gate_up2d if b_up is None else b_up,
+        gate_up2d if a_down is None else a_down,
+        dgate_up,
+        dgate_up if dgate_b is None else dgate_b,
+        dgate_up if dup_b is None else dup_b,
+        dgate_up if ddown_a is None else ddown_a,
+        n_rows,
+        n_cols,
+        blocks_per_split * _BWD_BLOCK_T,
+        dh2d.stride(0),
+        gate_up2d.stride(0),
+        t2d.stride(0),
+        rank,
+        down_rank,
+        float(scaling),
+        GATE_LORA=gate_b is not None,
+        UP_LORA=up_b is not None,
+        DOWN_LORA=down_a is not None,
+        BLOCK_T=_BWD_BLOCK_T,
+        BLOCK_N=_BWD_BLOCK_N,
+        RANK_BLOCK=_rank_block(rank),
+        DOWN_RANK_BLOCK=_rank_block(down_rank),
+    )
+    return dgate_up, *(None if grad is None else grad.sum(0) for grad in (dgate_b, dup_b, ddown_a))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,25 +416,71 @@ def _swiglu_backward(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
-        return _swiglu_forward(gate_up)
+class LoRASwiGLUFunction(torch.autograd.Function):
+    """Inputs: gate_up, lora_t, gate_b, up_b, down_a (each B/A may be None), scaling, need_output.
+
+    Outputs h and down_t (None without down_a). lora_t's gradient, scaling * dgate @ B, is a
+    sum over columns, which the column-wise backward pass cannot form without atomics; it is one
+    skinny GEMM per B over dgate_up.
+    """
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> torch.Tensor:
-        (gate_up,) = ctx.saved_tensors
-        return _swiglu_backward(dout, gate_up)
+    def forward(ctx, gate_up, lora_t, gate_b, up_b, down_a, scaling, need_output):
+        h, down_t = _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output)
+        ctx.save_for_backward(gate_up, lora_t, gate_b, up_b, down_a)
+        ctx.scaling = scaling
+        lead = gate_up.shape[:-1]
+        return h.view(*lead, h.shape[-1]), None if down_t is None else down_t.view(*lead, down_t.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dh, down_dt):
+        gate_up, lora_t, gate_b, up_b, down_a = ctx.saved_tensors
+        scaling = ctx.scaling
+        dgate_up, dgate_b, dup_b, ddown_a = _swiglu_backward(
+            dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a
+        )
+        dlora_t = None
+        if lora_t is not None and ctx.needs_input_grad[1]:
+            gate, up = dgate_up.chunk(2, dim=1)
+            parts = [half @ b.to(half.dtype) for half, b in ((gate, gate_b), (up, up_b)) if b is not None]
+            dlora_t = torch.cat(parts, dim=1).mul_(scaling).view(lora_t.shape)
+        return (
+            dgate_up.view(gate_up.shape),
+            dlora_t,
+            None if dgate_b is None else dgate_b.to(gate_b.dtype),
+            None if dup_b is None else dup_b.to(up_b.dtype),
+            None if ddown_a is None else ddown_a.to(down_a.dtype),
+            None,
+            None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
-# Public function
+# Public functions
 # ---------------------------------------------------------------------------------------------
+
+
+def lora_swiglu(
+    gate_up: torch.Tensor,
+    lora_t: torch.Tensor | None = None,
+    gate_b: torch.Tensor | None = None,
+    up_b: torch.Tensor | None = None,
+    scaling: float = 0.0,
+    down_a: torch.Tensor | None = None,
+    need_output: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [..., I], down_t [..., r] or None) for gate_up = [..., gate | up] without LoRA's B term.
+
+    lora_t = x @ A^T of the gate/up projection, gate's ranks first; gate_b / up_b [I, r] are
+    their B's, added with `scaling`; down_a [r, I] is the down projection's A. need_output=False
+    (a checkpoint recompute, where the down projection's GEMM is skipped) leaves h unwritten.
+    """
+    _check(gate_up, lora_t, gate_b, up_b, down_a)
+    if not use_triton(gate_up):
+        return lora_swiglu_reference(gate_up, lora_t, gate_b, up_b, scaling, down_a)
+    return LoRASwiGLUFunction.apply(gate_up, lora_t, gate_b, up_b, down_a, scaling, need_output)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [..., gate | up]; returns [..., I] in gate_up's dtype."""
-    if use_triton(gate_up):
-        return SwiGLUFunction.apply(gate_up)
-    return swiglu_reference(gate_up)
+    return lora_swiglu(gate_up)[0]

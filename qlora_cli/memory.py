@@ -24,8 +24,13 @@ def trainable_state_bytes(spec: ModelSpec, lora_r: int) -> int:
     return per_layer * spec.num_layers * 4 * 4
 
 
-def kept_activation_bytes(spec: ModelSpec, tokens: int) -> int:
-    """What one layer saves for backward when it is not recomputed (bf16)."""
+def kept_activation_bytes(spec: ModelSpec, tokens: int, lora_dropout: float = 0.0) -> int:
+    """What one layer saves for backward when it is not recomputed (bf16).
+
+    Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
+    rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
+    LoRA input, and down keeps the SwiGLU output.
+    """
     qkv = spec.q_size + 2 * spec.kv_size
     per_token = (
         3 * spec.hidden_size  # layer input, residual, normed input
@@ -34,8 +39,10 @@ def kept_activation_bytes(spec: ModelSpec, tokens: int) -> int:
         + spec.kv_size  # rotated q and k
         + spec.q_size  # attention output
         + 2 * spec.hidden_size  # residual after attention, normed
-        + 3 * spec.intermediate_size  # gate/up and the SwiGLU output
+        + 2 * spec.intermediate_size  # gate/up
     )
+    if lora_dropout:
+        per_token += 2 * spec.hidden_size + spec.q_size + 2 * spec.intermediate_size
     return tokens * per_token * BF16
 
 
@@ -45,7 +52,12 @@ def checkpointed_activation_bytes(spec: ModelSpec, tokens: int) -> int:
 
 
 def layers_to_checkpoint(
-    setting: bool | str, spec: ModelSpec, tokens: int, budget_gb: float | None, lora_r: int
+    setting: bool | str,
+    spec: ModelSpec,
+    tokens: int,
+    budget_gb: float | None,
+    lora_r: int,
+    lora_dropout: float = 0.0,
 ) -> int:
     """Layers (counted from the first) that recompute in backward."""
     if setting is True:
@@ -56,6 +68,8 @@ def layers_to_checkpoint(
     loss_chunk = 2**30  # the fused loss's logits chunk and its working set
     fixed = frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + loss_chunk
     fixed += spec.num_layers * checkpointed_activation_bytes(spec, tokens)
-    extra_per_kept = kept_activation_bytes(spec, tokens) - checkpointed_activation_bytes(spec, tokens)
+    extra_per_kept = kept_activation_bytes(spec, tokens, lora_dropout) - checkpointed_activation_bytes(
+        spec, tokens
+    )
     kept = int(max(0, budget - fixed) // max(1, extra_per_kept))
     return spec.num_layers - min(spec.num_layers, kept)

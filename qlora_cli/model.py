@@ -21,11 +21,11 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import attention
 from kernels.cross_entropy import linear_cross_entropy
-from kernels.linear import buffer_numel, lora_linear
+from kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from kernels.nf4 import NF4Weight, quantize_nf4
 from kernels.rmsnorm import add_rms_norm
 from kernels.rope import apply_rope
-from kernels.swiglu import swiglu
+from kernels.swiglu import lora_swiglu
 from qlora_cli.config import ALL_PROJECTIONS
 from qlora_cli.hub import resolve_model
 from qlora_cli.profiler import timed
@@ -106,14 +106,32 @@ class ProjectionGroup(nn.Module):
     def set_bias(self, name: str, bias: torch.Tensor) -> None:
         self.biases[self.names.index(name)] = bias
 
-    def forward(self, x: torch.Tensor, need_output: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        need_output: bool = True,
+        *,
+        keep_lora_t: bool = False,
+        lora_t: torch.Tensor | None = None,
+    ):
+        """The projections with LoRA. keep_lora_t: return (y without LoRA's B, t = lora_x @ A^T)
+        for the next op to finish; lora_t: start from that t instead of x @ A^T."""
         lora_x = F.dropout(x, self.dropout, self.training) if self.dropout and self.training else x
+        lora_b = [self.lora_B.get(n) for n in self.names]
+        if keep_lora_t:
+            return lora_linear_a(
+                x, self.weights, self.biases, self.lora_a_list(), lora_x, self.scratch, need_output
+            )
+        if lora_t is not None:
+            return lora_linear_b(
+                x, lora_t, self.weights, self.biases, lora_b, self.scaling, self.scratch, need_output
+            )
         return lora_linear(
             x,
             self.weights,
             self.biases,
             self.lora_a_list(),
-            [self.lora_B.get(n) for n in self.names],
+            lora_b,
             self.scaling,
             lora_x=lora_x,
             buffer=self.scratch,
@@ -181,10 +199,31 @@ class DecoderLayer(nn.Module):
         attn = timed("attention", attention, q, k, v, doc_ids, backend=backend)
         x = timed("o_proj", self.projections["o"], attn.reshape(b, s, spec.q_size))
         h, residual = timed("rmsnorm_ffn", add_rms_norm, x, residual, self.post_attention_layernorm, eps)
-        gate_up = timed("gate_up_gemm", self.projections["gate_up"], h)
-        activation = timed("silu", swiglu, gate_up)
-        x = timed("down_gemm", self.projections["down"], activation, need_output=not Recompute.active)
+        x = self._mlp(h)
         return x, residual
+
+    def _mlp(self, h):
+        """gate/up → SwiGLU → down, with LoRA's B of gate/up and A of down done inside SwiGLU
+        (kernels.swiglu). Down's LoRA input is h itself unless LoRA dropout is on; then down
+        takes h and runs its own LoRA."""
+        gate_up, down = self.projections["gate_up"], self.projections["down"]
+        gate_up_out, gate_up_t = timed("gate_up_gemm", gate_up, h, keep_lora_t=True)
+        down_a = down.lora_A.get("down_proj")
+        fuse_down = down_a is not None and not (down.dropout and self.training)
+        activation, down_t = timed(
+            "silu",
+            lora_swiglu,
+            gate_up_out,
+            gate_up_t,
+            gate_up.lora_B.get("gate_proj"),
+            gate_up.lora_B.get("up_proj"),
+            gate_up.scaling,
+            down_a if fuse_down else None,
+            need_output=not (Recompute.active and fuse_down),
+        )
+        if fuse_down:
+            return timed("down_gemm", down, activation, need_output=not Recompute.active, lora_t=down_t)
+        return timed("down_gemm", down, activation, need_output=not Recompute.active)
 
 
 class QLoRAModel(nn.Module):

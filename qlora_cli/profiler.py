@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.linear import lora_linear
+from kernels.swiglu import lora_swiglu
 from qlora_cli.config import TrainConfig
 from qlora_cli.errors import QLoraError
 
@@ -74,12 +75,14 @@ LAYER_BACKWARD = (
 )
 OUTSIDE_LAYERS = ("embedding", "final_norm", "lm_head_loss", "optimizer", "data")
 LORA_ROWS = ("lora_fwd", "lora_bwd")
-# Projection group -> (its forward row, its backward row), for LoRA's share of both.
+# Projection group (or SwiGLU, which does the MLP's share of LoRA) -> (its forward row, its
+# backward row), for LoRA's share of both.
 GROUP_ROWS = {
     "qkv": ("qkv_gemm", "qkv_bwd"),
     "o": ("o_proj", "o_proj_bwd"),
     "gate_up": ("gate_up_gemm", "gate_up_bwd"),
     "down": ("down_gemm", "down_bwd"),
+    "swiglu": ("silu", "swiglu_bwd"),
 }
 GEMM_GROUP = {rows[0]: group for group, rows in GROUP_ROWS.items()}
 # Regions that only bracket other regions: their own time stays unattributed.
@@ -165,10 +168,11 @@ def _rope_work(args, out, **_) -> Work:
     return Work(0.0, 2 * elements, 0.0, (3 if q_norm is not None else 2) * elements)
 
 
-def _swiglu_work(args, out, **_) -> Work:
-    """gate_up [T, 2I] in, [T, I] out; backward reads dout and gate_up, writes dgate_up."""
+def _swiglu_work(args, out, need_output: bool = True, **_) -> Work:
+    """gate_up [T, 2I] in, [T, I] out (not written in a recompute); backward reads dout and
+    gate_up, writes dgate_up. LoRA's rank-r products are left out, as for the GEMMs."""
     elements = out.numel() * out.element_size()
-    return Work(0.0, 3 * elements, 0.0, 5 * elements)
+    return Work(0.0, (3 if need_output else 2) * elements, 0.0, 5 * elements)
 
 
 def _embedding_work(args, out, **_) -> Work:
@@ -294,7 +298,8 @@ class OpProfiler:
         self.stamps_recorded = 0
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        self.groups: dict[str, torch.nn.Module] = {}
+        # How the step first called each op that can carry LoRA, for lora_share: (fn, call).
+        self.groups: dict[str, tuple[Callable, dict]] = {}
         self._timeline: list[_Stamp] = []
         self._events: list[torch.cuda.Event] = []
         self._recording = False
@@ -344,6 +349,7 @@ class OpProfiler:
         backward_row = BACKWARD_ROW.get(name)
         marking = backward_row is not None and torch.is_grad_enabled()
         work_of = WORK[name]
+        self._note_call(name, fn, args, kwargs)
         if marking:
             args = self._mark(args, False, backward_row, None)
         opened = self.stamp(True, name)
@@ -359,18 +365,17 @@ class OpProfiler:
             self.stamp(False, name)
         work = work_of(args, out[0] if isinstance(out, tuple) else out, **kwargs)
         opened.flops, opened.bytes = work.flops, work.bytes
-        self._note_call(name, fn, args)
         if marking:
             out = self._mark(out, True, backward_row, work)
         return out
 
-    def _note_call(self, name: str, fn: Callable, args: tuple) -> None:
+    def _note_call(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> None:
         if name == "embedding":
             self._tokens += args[0].numel()
             self._micro_batches += 1
             self.dtype = args[1].dtype
-        elif name in GEMM_GROUP:
-            self.groups.setdefault(GEMM_GROUP[name], fn)
+        elif name in GEMM_GROUP and GEMM_GROUP[name] not in self.groups:
+            self.groups[GEMM_GROUP[name]] = (fn, _call_of(name, args, kwargs))
 
     def _mark(self, values, opens: bool, row: str, work: Work | None):
         """`values` (a tensor, a tuple of outputs, or the argument tuple) with those needing grad marked."""
@@ -509,45 +514,106 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -
     )
 
 
-def _lora_ms(
-    group: torch.nn.Module, tokens: int, device: torch.device, dtype: torch.dtype
-) -> tuple[float, float]:
-    """(forward, backward) ms that LoRA adds to one call of `group` at `tokens` rows: the call as
-    the step makes it, minus the same frozen projection without LoRA; best of a few each."""
+def _call_of(name: str, args: tuple, kwargs: dict) -> dict:
+    """What lora_share needs to repeat a call: its mode and LoRA tensors, never its activations
+    (they would hold the step's autograd graph alive)."""
+    if name != "silu":
+        return {"keep_lora_t": bool(kwargs.get("keep_lora_t")), "from_t": kwargs.get("lora_t") is not None}
+    gate_up, lora_t, gate_b, up_b, scaling, down_a = args[:6]
+    return {
+        "width": gate_up.shape[-1],
+        "ranks": None if lora_t is None else lora_t.shape[-1],
+        "lora": (gate_b, up_b, scaling, down_a),
+    }
+
+
+def _projection_calls(group: torch.nn.Module, call: dict, tokens: int, device, dtype):
+    """(with LoRA, without, the leaves each differentiates, incoming gradients) for one call of a
+    projection group made as the step made it: whole, stopping at t (keep_lora_t) or from t."""
     count = len(group.names)
     x = torch.randn(tokens, group.weights[0].shape[1], device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(tokens, sum(group.out_features), device=device, dtype=dtype)
-    lora_params = [x, *group.lora_A.values(), *group.lora_B.values()]
+    ranks = sum(a.shape[0] for a in group.lora_A.values())
+    t = torch.randn(tokens, ranks, device=device, dtype=dtype, requires_grad=True)
+    if call["keep_lora_t"]:
+        leaves, grads = [x, *group.lora_A.values()], (dy, torch.randn_like(t))
 
-    def with_lora():
-        return group(x)
+        def with_lora():
+            return group(x, keep_lora_t=True)
+    elif call["from_t"]:
+        leaves, grads = [x, t, *group.lora_B.values()], (dy,)
+
+        def with_lora():
+            return (group(x, lora_t=t),)
+    else:
+        leaves, grads = [x, *group.lora_A.values(), *group.lora_B.values()], (dy,)
+
+        def with_lora():
+            return (group(x),)
 
     def without_lora():
-        return lora_linear(
-            x, group.weights, group.biases, [None] * count, [None] * count, 0.0, buffer=group.scratch
-        )
+        none = [None] * count
+        return (lora_linear(x, group.weights, group.biases, none, none, 0.0, buffer=group.scratch),)
 
+    return with_lora, without_lora, leaves, [x], grads
+
+
+def _swiglu_calls(call: dict, tokens: int, device, dtype):
+    """The same for SwiGLU with the MLP's LoRA (gate/up's B, down's A) against plain SwiGLU."""
+    gate_b, up_b, scaling, down_a = call["lora"]
+    g = torch.randn(tokens, call["width"], device=device, dtype=dtype, requires_grad=True)
+    t = None
+    if call["ranks"]:
+        t = torch.randn(tokens, call["ranks"], device=device, dtype=dtype, requires_grad=True)
+    dh = torch.randn(tokens, call["width"] // 2, device=device, dtype=dtype)
+    loras = [m for m in (t, gate_b, up_b, down_a) if m is not None]
+    grads = (
+        (dh,) if down_a is None else (dh, torch.randn(tokens, down_a.shape[0], device=device, dtype=dtype))
+    )
+
+    def with_lora():
+        h, down_t = lora_swiglu(g, t, gate_b, up_b, scaling, down_a)
+        return (h,) if down_t is None else (h, down_t)
+
+    return with_lora, lambda: (lora_swiglu(g)[0],), [g, *loras], [g], grads
+
+
+def _carries_lora(group_name: str, fn: Callable, call: dict) -> bool:
+    if group_name == "swiglu":
+        return any(m is not None for m in call["lora"][:2] + call["lora"][3:])
+    return len(fn.lora_A) > 0
+
+
+def _lora_ms(calls, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) ms that LoRA adds to one call: with minus without; best of a few each."""
+    with_lora, without_lora, leaves, plain_leaves, grads = calls
     repeats = 10 if device.type == "cuda" else 7
     forward = _best_ms(with_lora, device, repeats) - _best_ms(without_lora, device, repeats)
-    both = _best_ms(lambda: torch.autograd.grad(with_lora(), lora_params, dy), device, repeats) - _best_ms(
-        lambda: torch.autograd.grad(without_lora(), [x], dy), device, repeats
+    both = _best_ms(lambda: torch.autograd.grad(with_lora(), leaves, grads), device, repeats) - _best_ms(
+        lambda: torch.autograd.grad(without_lora(), plain_leaves, grads[:1]), device, repeats
     )
     return max(0.0, forward), max(0.0, both - forward)
 
 
 def lora_share(profiler: OpProfiler, steps: list[StepRecord]) -> dict[str, float]:
-    """ms per step that LoRA adds inside the gemm rows, measured apart from the step.
+    """ms per step that LoRA adds inside the gemm and SwiGLU rows, measured apart from the step.
 
-    LoRA runs inside each projection's fused call, so the step cannot time it alone. Each projection
-    group (the first of its kind the step timed) is timed with and without LoRA at the step's tokens
-    per micro-batch; the differences times the step's calls of that group are the estimate.
+    LoRA runs inside the projections' fused calls and, for the MLP, inside SwiGLU, so the step
+    cannot time it alone. Each such op (the first of its kind the step timed) is timed with and
+    without LoRA at the step's tokens per micro-batch; the differences times the step's calls of
+    that op are the estimate.
     """
     tokens = sum(s.tokens for s in steps) // max(1, sum(s.micro_batches for s in steps))
     share = {"lora_fwd": 0.0, "lora_bwd": 0.0, "lora_fwd_calls": 0.0, "lora_bwd_calls": 0.0}
-    for group_name, group in profiler.groups.items():
-        if not len(group.lora_A) or tokens == 0:
+    device, dtype = profiler.device, profiler.dtype
+    for group_name, (fn, call) in profiler.groups.items():
+        if tokens == 0 or not _carries_lora(group_name, fn, call):
             continue
-        forward, backward = _lora_ms(group, tokens, profiler.device, profiler.dtype)
+        if group_name == "swiglu":
+            calls = _swiglu_calls(call, tokens, device, dtype)
+        else:
+            calls = _projection_calls(fn, call, tokens, device, dtype)
+        forward, backward = _lora_ms(calls, device)
         for name, row, ms in zip(LORA_ROWS, GROUP_ROWS[group_name], (forward, backward), strict=True):
             calls = statistics.fmean(s.rows.get(row, RowStat()).calls for s in steps)
             share[name] += ms * calls
@@ -642,8 +708,8 @@ NOTES = (
     "backward; rope/rope_bwd hold RoPE with the fused QK-norm; final_norm and lm_head_loss "
     "hold forward and backward together",
 )
-LORA_SECTION = "LoRA, inside the gemm rows"
-GEMM_ROWS = "qkv_gemm, o_proj, gate_up_gemm, down_gemm and their _bwd rows"
+LORA_SECTION = "LoRA, inside the gemm and SwiGLU rows"
+GEMM_ROWS = "qkv_gemm, o_proj, gate_up_gemm, silu, down_gemm and their backward rows"
 
 
 def build_report(
@@ -680,9 +746,10 @@ def build_report(
         )
     if lora["lora_fwd_calls"]:
         notes.append(
-            "lora_fwd/lora_bwd: LoRA is fused into the projection calls, so its time is inside the gemm "
-            "rows; these two rows are measured apart (each projection group with and without LoRA at the "
-            "step's tokens per micro-batch, times its calls) and are not added into the total"
+            "lora_fwd/lora_bwd: LoRA is fused into the projection calls and, for the MLP, into SwiGLU, "
+            "so its time is inside those rows; these two rows are measured apart (each such op with "
+            "and without LoRA at the step's tokens per micro-batch, times its calls) and are not "
+            "added into the total"
         )
     else:
         notes.append("lora_fwd/lora_bwd: no LoRA on the timed projections")

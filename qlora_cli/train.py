@@ -197,7 +197,12 @@ def build_run(config: TrainConfig, dist: Distributed | None = None) -> Run:
     lora = lora_config(config)
     tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
     checkpointed = layers_to_checkpoint(
-        config.gradient_checkpointing, spec, tokens_per_micro_batch, config.memory_budget_gb, config.lora_r
+        config.gradient_checkpointing,
+        spec,
+        tokens_per_micro_batch,
+        config.memory_budget_gb,
+        config.lora_r,
+        config.lora_dropout,
     )
     model = QLoRAModel.from_pretrained(
         folder,

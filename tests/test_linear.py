@@ -5,7 +5,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.linear import LoRALinearFunction, buffer_numel, lora_linear, lora_linear_reference
+from kernels.linear import (
+    LoRAAFunction,
+    LoRABFunction,
+    LoRALinearFunction,
+    buffer_numel,
+    lora_linear,
+    lora_linear_a,
+    lora_linear_a_reference,
+    lora_linear_b,
+    lora_linear_b_reference,
+    lora_linear_reference,
+)
 from kernels.nf4 import dequantize_nf4_reference, quantize_nf4
 
 gpu = pytest.mark.gpu
@@ -170,6 +181,98 @@ def test_bad_arguments_are_named():
     assert buffer_numel(weights, lora_a) == 128 * (64 + 3 * 4)
     with pytest.raises(ValueError, match="at least 9728"):
         lora_linear(x, weights, biases, lora_a, lora_b, 0.5, buffer=torch.empty(100))
+
+
+# ----------------------------------------------------------------------------- split LoRA (the MLP)
+
+
+def _split_a(function, x, lora_x, weights, biases, lora_a, grad_out, grad_t, **kwargs):
+    y, t = function(x, weights, biases, lora_a, lora_x, **kwargs)
+    inputs = [x] + ([lora_x] if lora_x is not None else []) + [a for a in lora_a if a is not None]
+    return (y, t), torch.autograd.grad((y, t), inputs, (grad_out, grad_t))
+
+
+@pytest.mark.parametrize("name", ["gate_up_nf4", "gate_up_nf4_dropout", "qkv_plain_partial_lora_dropout"])
+@pytest.mark.parametrize("need_output", [True, False])
+def test_split_a_matches_reference(name, need_output):
+    """y without B and t = lora_x @ A^T; dX and dA from dy and a dt that SwiGLU would give."""
+    x, lora_x, weights, biases, lora_a, _ = _make(CASES[name])
+    rank = sum(a.shape[0] for a in lora_a if a is not None)
+    grad_out = torch.randn(2, 5, sum(CASES[name][1]))
+    grad_t = torch.randn(2, 5, rank)
+    (y, t), grads = _split_a(
+        lora_linear_a, x, lora_x, weights, biases, lora_a, grad_out, grad_t, need_output=need_output
+    )
+    (want_y, want_t), want = _split_a(
+        lora_linear_a_reference, x, lora_x, weights, biases, lora_a, grad_out, grad_t
+    )
+    assert type(y.grad_fn).__name__ == f"{LoRAAFunction.__name__}Backward"
+    if need_output:
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t, want_t, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want, strict=True):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _split_b(function, x, lora_t, weights, biases, lora_b, grad_out, **kwargs):
+    y = function(x, lora_t, weights, biases, lora_b, 0.5, **kwargs)
+    inputs = [x, lora_t] + [b for b in lora_b if b is not None]
+    return y, torch.autograd.grad(y, inputs, grad_out)
+
+
+@pytest.mark.parametrize("name", ["down_nf4_ragged_rows_dropout", "o_proj_plain", "qkv_nf4_bias"])
+@pytest.mark.parametrize("need_output", [True, False])
+def test_split_b_matches_reference(name, need_output):
+    """y = x @ W^T + bias + s * t @ B^T from a given t: dX, dt and dB, and no x kept."""
+    x, _, weights, biases, _, lora_b = _make(CASES[name])
+    rank = sum(b.shape[1] for b in lora_b if b is not None)
+    lora_t = torch.randn(2, 5, rank, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    grad_out = torch.randn(2, 5, sum(CASES[name][1]))
+    y, grads = _split_b(lora_linear_b, x, lora_t, weights, biases, lora_b, grad_out, need_output=need_output)
+    want_y, want = _split_b(lora_linear_b_reference, x, lora_t, weights, biases, lora_b, grad_out)
+    assert type(y.grad_fn).__name__ == f"{LoRABFunction.__name__}Backward"
+    kept = lora_linear_b(x, lora_t, weights, biases, lora_b, 0.5).grad_fn.saved_tensors
+    assert all(saved.data_ptr() != x.data_ptr() for saved in kept)
+    if need_output:
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want, strict=True):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_split_halves_compose_to_the_whole():
+    """A-side then B-side with t handed over gives lora_linear's output and gradients."""
+    x, _, weights, biases, lora_a, lora_b = _make(CASES["qkv_nf4_bias"])
+    grad_out = torch.randn(2, 5, 128)
+    inputs = _differentiable(x, None, lora_a, lora_b)
+    base, t = lora_linear_a(x, weights, biases, lora_a)
+    zero = [torch.zeros_like(w) for w in (dequantize_nf4_reference(w) for w in weights)]
+    lora_only = lora_linear_b(torch.zeros_like(x), t, zero, [None] * 3, lora_b, 0.5)
+    y = base + lora_only
+    whole = lora_linear(x, weights, biases, lora_a, lora_b, 0.5)
+    torch.testing.assert_close(y, whole, atol=1e-5, rtol=1e-5)
+    for got, want in zip(
+        torch.autograd.grad(y, inputs, grad_out), torch.autograd.grad(whole, inputs, grad_out), strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_split_without_lora_is_the_frozen_projection():
+    x, _, weights, biases, _, _ = _make(CASES["down_nf4_bias_no_lora"])
+    y, t = lora_linear_a(x, weights, biases, [None])
+    assert t is None
+    torch.testing.assert_close(lora_linear_b(x, None, weights, biases, [None], 0.5), y, atol=0, rtol=0)
+
+
+def test_split_bad_arguments_are_named():
+    x, _, weights, biases, lora_a, lora_b = _make(CASES["qkv_nf4_bias"])
+    with pytest.raises(ValueError, match=r"lora_t must be \[\.\.\., 12\]"):
+        lora_linear_b(x, torch.zeros(2, 5, 8), weights, biases, lora_b, 0.5)
+    with pytest.raises(ValueError, match=r"projection 0: LoRA shapes B \(32, 4\)"):
+        lora_linear_b(x, torch.zeros(2, 5, 12), weights, biases, lora_b[::-1], 0.5)
+    with pytest.raises(ValueError, match=r"LoRA shapes A \(4, 32\)"):
+        lora_linear_a(x, weights, biases, [a[:, :32] for a in lora_a])
 
 
 # ----------------------------------------------------------------------------- GPU
