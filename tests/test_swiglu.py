@@ -108,7 +108,9 @@ def test_recompute_skips_h_but_not_what_backward_needs():
     gate_up, down_a = inputs[0], inputs[4]
     grads = [torch.randn(*gate_up.shape[:-1], gate_up.shape[-1] // 2), torch.randn(2, 35, down_a.shape[0])]
     (_, down_t), full = _run(lora_swiglu, inputs, grads)
-    (_, skipped_down_t), skipped = _run(lora_swiglu, inputs, grads, need_output=False)
+    (skipped_h, skipped_down_t), skipped = _run(lora_swiglu, inputs, grads, need_output=False)
+    assert skipped_h.shape == gate_up.shape[:-1] + (72,)
+    assert skipped_h.untyped_storage().nbytes() == skipped_h.element_size()
     torch.testing.assert_close(skipped_down_t, down_t, atol=0, rtol=0)
     for got, want in zip(skipped, full, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
