@@ -171,6 +171,21 @@ def _lora_b_columns(lora_b, slices, rows: int, dtype: torch.dtype) -> torch.Tens
     return columns
 
 
+def _a_cat(lora_a, dtype: torch.dtype) -> torch.Tensor:
+    """Every A as one [ranks, in] matrix in the compute dtype."""
+    return torch.cat([a.to(dtype) for a in lora_a])
+
+
+def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool, in_features: int):
+    """(dX = dY @ W or None, g = dY @ B). With B as extra weight columns the dX GEMM yields g
+    too, and dX comes back as a row-strided view."""
+    if need_dx and _takes_extra_columns(weights):
+        joined = dy @ _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
+        return joined[:, :in_features], joined[:, in_features:]
+    dx = dy @ _stacked_weight(weights, dtype, buffer) if need_dx else None
+    return dx, dy @ b_columns
+
+
 def _matmul(inputs: torch.Tensor, stacked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return inputs @ stacked.T if bias is None else torch.addmm(bias, inputs, stacked.T)
 
@@ -232,7 +247,7 @@ class LoRALinearFunction(torch.autograd.Function):
         out = t = None
         if lora_index:
             slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
-            a_cat = torch.cat([a.to(dtype) for a in lora_a])
+            a_cat = _a_cat(lora_a, dtype)
             b_columns = _lora_b_columns(lora_b, slices, out_features, dtype) if need_output else None
             t = lora_rows @ a_cat.T
             if need_output and _lora_layout(weights) == "columns":
@@ -270,15 +285,9 @@ class LoRALinearFunction(torch.autograd.Function):
         else:
             slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
             b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
-            a_cat = torch.cat([a.to(dtype) for a in lora_a])
-            # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks]; with B as
-            # extra weight columns the dX GEMM yields it, and dX comes back as a row-strided view.
-            if need_dx and _takes_extra_columns(weights):
-                joined = dy @ _stacked_weight(weights, dtype, ctx.buffer, extra_columns=b_columns)
-                dx, g = joined[:, :in_features], joined[:, in_features:]
-            else:
-                dx = dy @ _stacked_weight(weights, dtype, ctx.buffer) if need_dx else None
-                g = dy @ b_columns
+            a_cat = _a_cat(lora_a, dtype)
+            # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks].
+            dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx, in_features)
             if lora_x is None:
                 lora_rows = x.reshape(-1, in_features)
                 if need_dx:
@@ -312,7 +321,7 @@ class LoRAAFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
         out_features = sum(_out_features(w) for w in weights)
-        t = lora_rows @ torch.cat([a.to(dtype) for a in lora_a]).T
+        t = lora_rows @ _a_cat(lora_a, dtype).T
         if need_output:
             out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
         else:
@@ -329,7 +338,7 @@ class LoRAAFunction(torch.autograd.Function):
         in_features = x.shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
         dt = grad_t.reshape(-1, grad_t.shape[-1]).to(dtype)
-        a_cat = torch.cat([a.to(dtype) for a in lora_a])
+        a_cat = _a_cat(lora_a, dtype)
         dx = dlora_x = None
         if ctx.needs_input_grad[0]:
             dx = dy @ _stacked_weight(ctx.weights, dtype, ctx.buffer)
@@ -382,13 +391,7 @@ class LoRABFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
         b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
-        dx = None
-        if ctx.needs_input_grad[0] and _takes_extra_columns(weights):
-            joined = dy @ _stacked_weight(weights, dtype, ctx.buffer, extra_columns=b_columns)
-            dx, g = joined[:, :in_features], joined[:, in_features:]
-        else:
-            dx = dy @ _stacked_weight(weights, dtype, ctx.buffer) if ctx.needs_input_grad[0] else None
-            g = dy @ b_columns
+        dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, ctx.needs_input_grad[0], in_features)
         dt = (g * scaling).to(lora_t.dtype).view(lora_t.shape)
         db_cat = torch.mm(dy.T, t).mul_(scaling)
         grads = [

@@ -283,10 +283,6 @@ def _rank_block(rank: int) -> int:
     return max(16, triton.next_power_of_2(max(rank, 1)))
 
 
-def _b_rows(b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if b is None else b.to(dtype).contiguous()
-
-
 def _check(gate_up, lora_t, gate_b, up_b, down_a) -> None:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate | up), got {gate_up.shape[-1]}")
@@ -307,112 +303,105 @@ def _check(gate_up, lora_t, gate_b, up_b, down_a) -> None:
         raise ValueError(f"down_a must be [rank, {intermediate}], got {tuple(down_a.shape)}")
 
 
+class _Operands:
+    """What both passes hand their kernel: gate_up and t as rows, the B's and A in the compute
+    dtype (gate_up itself stands in for an absent one: the kernel never reads it), ranks, flags."""
+
+    def __init__(self, gate_up, lora_t, gate_b, up_b, down_a):
+        self.gate_up = _rows(gate_up)
+        self.n_rows, self.n_cols = self.gate_up.shape[0], self.gate_up.shape[1] // 2
+        self.dtype, self.device = gate_up.dtype, gate_up.device
+        self.t = self.gate_up if lora_t is None else _rows(lora_t)
+        self.rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
+        self.down_rank = 0 if down_a is None else down_a.shape[0]
+        self.present = (gate_b is not None, up_b is not None, down_a is not None)
+        self.matrices = [
+            self.gate_up if m is None else m.to(self.dtype).contiguous() for m in (gate_b, up_b, down_a)
+        ]
+
+    def inputs(self) -> list:
+        """gate_up, t_gate, t_up (up's ranks follow gate's), B_gate, B_up, A_down."""
+        up_start = self.rank if self.present[0] else 0
+        return [self.gate_up, self.t, self.t[:, up_start:], *self.matrices]
+
+    def flags(self) -> dict:
+        gate, up, down = self.present
+        return dict(
+            GATE_LORA=gate,
+            UP_LORA=up,
+            DOWN_LORA=down,
+            RANK_BLOCK=_rank_block(self.rank),
+            DOWN_RANK_BLOCK=_rank_block(self.down_rank),
+        )
+
+
 def _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output):
-    gate_up2d = _rows(gate_up)
-    n_rows, n_cols = gate_up2d.shape[0], gate_up2d.shape[1] // 2
-    dtype, device = gate_up.dtype, gate_up.device
-    t2d = gate_up2d if lora_t is None else _rows(lora_t)
-    rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
-    down_rank = 0 if down_a is None else down_a.shape[0]
+    ops = _Operands(gate_up, lora_t, gate_b, up_b, down_a)
+    n_rows, n_cols, down = ops.n_rows, ops.n_cols, ops.present[2]
     if need_output:
-        h = torch.empty((n_rows, n_cols), dtype=dtype, device=device)
+        h = torch.empty((n_rows, n_cols), dtype=ops.dtype, device=ops.device)
     else:
         # h's shape without its memory: 310 MB at Qwen2.5-7B's 8,192 tokens, during a recompute.
-        h = gate_up2d.new_empty(1).expand(n_rows, n_cols)
+        h = ops.gate_up.new_empty(1).expand(n_rows, n_cols)
     row_blocks = triton.cdiv(n_rows, _FWD_BLOCK_T)
-    splits, blocks_per_split = _splits(triton.cdiv(n_cols, _FWD_BLOCK_N), row_blocks, down_a is not None)
+    splits, blocks_per_split = _splits(triton.cdiv(n_cols, _FWD_BLOCK_N), row_blocks, down)
     partial = (
-        torch.empty((splits, n_rows, down_rank), dtype=torch.float32, device=device)
-        if down_a is not None
-        else None
+        torch.empty((splits, n_rows, ops.down_rank), dtype=torch.float32, device=ops.device) if down else None
     )
-    b_gate, b_up = _b_rows(gate_b, dtype), _b_rows(up_b, dtype)
-    a_down = _b_rows(down_a, dtype)
-    grid = (row_blocks, splits)
-    _lora_swiglu_fwd_kernel[grid](
-        gate_up2d,
-        t2d,
-        t2d[:, rank if gate_b is not None else 0 :],
-        gate_up2d if b_gate is None else b_gate,
-        gate_up2d if b_up is None else b_up,
-        gate_up2d if a_down is None else a_down,
+    _lora_swiglu_fwd_kernel[(row_blocks, splits)](
+        *ops.inputs(),
         h,
         h if partial is None else partial,
         n_rows,
         n_cols,
         blocks_per_split * _FWD_BLOCK_N,
-        gate_up2d.stride(0),
-        t2d.stride(0),
-        rank,
-        down_rank,
+        ops.gate_up.stride(0),
+        ops.t.stride(0),
+        ops.rank,
+        ops.down_rank,
         float(scaling),
-        GATE_LORA=gate_b is not None,
-        UP_LORA=up_b is not None,
-        DOWN_LORA=down_a is not None,
         STORE_H=need_output,
         BLOCK_T=_FWD_BLOCK_T,
         BLOCK_N=_FWD_BLOCK_N,
-        RANK_BLOCK=_rank_block(rank),
-        DOWN_RANK_BLOCK=_rank_block(down_rank),
+        **ops.flags(),
     )
-    return h, None if partial is None else partial.sum(0).to(dtype)
+    return h, None if partial is None else partial.sum(0).to(ops.dtype)
 
 
 def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a):
     """(dgate_up, dB_gate, dB_up, dA_down): the weight gradients in fp32, None where absent."""
-    gate_up2d = _rows(gate_up)
-    n_rows, n_cols = gate_up2d.shape[0], gate_up2d.shape[1] // 2
-    dtype, device = gate_up.dtype, gate_up.device
+    ops = _Operands(gate_up, lora_t, gate_b, up_b, down_a)
+    n_rows, n_cols = ops.n_rows, ops.n_cols
     dh2d = _rows(dh)
-    t2d = gate_up2d if lora_t is None else _rows(lora_t)
-    rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
-    down_rank = 0 if down_a is None else down_a.shape[0]
-    down_dt2d = dh2d if down_dt is None else _rows(down_dt.to(dtype))
-    dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=dtype, device=device)
+    down_dt2d = dh2d if down_dt is None else _rows(down_dt.to(ops.dtype))
+    dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=ops.dtype, device=ops.device)
     col_blocks = triton.cdiv(n_cols, _BWD_BLOCK_N)
-    any_lora = any(m is not None for m in (gate_b, up_b, down_a))
-    splits, blocks_per_split = _splits(triton.cdiv(n_rows, _BWD_BLOCK_T), col_blocks, any_lora)
-
-    def fp32(*shape, present):
-        return torch.empty((splits, *shape), dtype=torch.float32, device=device) if present else None
-
-    dgate_b = fp32(n_cols, rank, present=gate_b is not None)
-    dup_b = fp32(n_cols, rank, present=up_b is not None)
-    ddown_a = fp32(down_rank, n_cols, present=down_a is not None)
-    b_gate, b_up = _b_rows(gate_b, dtype), _b_rows(up_b, dtype)
-    a_down = _b_rows(down_a, dtype)
-    grid = (col_blocks, splits)
-    _lora_swiglu_bwd_kernel[grid](
+    splits, blocks_per_split = _splits(triton.cdiv(n_rows, _BWD_BLOCK_T), col_blocks, any(ops.present))
+    shapes = ((n_cols, ops.rank), (n_cols, ops.rank), (ops.down_rank, n_cols))
+    grads = [
+        torch.empty((splits, *shape), dtype=torch.float32, device=ops.device) if present else None
+        for shape, present in zip(shapes, ops.present, strict=True)
+    ]
+    _lora_swiglu_bwd_kernel[(col_blocks, splits)](
         dh2d,
         down_dt2d,
-        gate_up2d,
-        t2d,
-        t2d[:, rank if gate_b is not None else 0 :],
-        gate_up2d if b_gate is None else b_gate,
-        gate_up2d if b_up is None else b_up,
-        gate_up2d if a_down is None else a_down,
+        *ops.inputs(),
         dgate_up,
-        dgate_up if dgate_b is None else dgate_b,
-        dgate_up if dup_b is None else dup_b,
-        dgate_up if ddown_a is None else ddown_a,
+        *(dgate_up if grad is None else grad for grad in grads),
         n_rows,
         n_cols,
         blocks_per_split * _BWD_BLOCK_T,
         dh2d.stride(0),
-        gate_up2d.stride(0),
-        t2d.stride(0),
-        rank,
-        down_rank,
+        ops.gate_up.stride(0),
+        ops.t.stride(0),
+        ops.rank,
+        ops.down_rank,
         float(scaling),
-        GATE_LORA=gate_b is not None,
-        UP_LORA=up_b is not None,
-        DOWN_LORA=down_a is not None,
         BLOCK_T=_BWD_BLOCK_T,
         BLOCK_N=_BWD_BLOCK_N,
-        RANK_BLOCK=_rank_block(rank),
-        DOWN_RANK_BLOCK=_rank_block(down_rank),
+        **ops.flags(),
     )
-    return dgate_up, *(None if grad is None else grad.sum(0) for grad in (dgate_b, dup_b, ddown_a))
+    return dgate_up, *(None if grad is None else grad.sum(0) for grad in grads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ GROUP_ROWS = {
     "down": ("down_gemm", "down_bwd"),
     "swiglu": ("silu", "swiglu_bwd"),
 }
-GEMM_GROUP = {rows[0]: group for group, rows in GROUP_ROWS.items()}
+LORA_GROUP = {rows[0]: group for group, rows in GROUP_ROWS.items()}
 # Regions that only bracket other regions: their own time stays unattributed.
 SCOPES = ("backward",)
 
@@ -374,8 +374,8 @@ class OpProfiler:
             self._tokens += args[0].numel()
             self._micro_batches += 1
             self.dtype = args[1].dtype
-        elif name in GEMM_GROUP and GEMM_GROUP[name] not in self.groups:
-            self.groups[GEMM_GROUP[name]] = (fn, _call_of(name, args, kwargs))
+        elif name in LORA_GROUP and LORA_GROUP[name] not in self.groups:
+            self.groups[LORA_GROUP[name]] = (fn, _call_of(name, args, kwargs))
 
     def _mark(self, values, opens: bool, row: str, work: Work | None):
         """`values` (a tensor, a tuple of outputs, or the argument tuple) with those needing grad marked."""
@@ -536,7 +536,7 @@ def _projection_calls(group: torch.nn.Module, call: dict, tokens: int, device, d
     ranks = sum(a.shape[0] for a in group.lora_A.values())
     t = torch.randn(tokens, ranks, device=device, dtype=dtype, requires_grad=True)
     if call["keep_lora_t"]:
-        leaves, grads = [x, *group.lora_A.values()], (dy, torch.randn_like(t))
+        leaves, grads = [x, *group.lora_A.values()], (dy, t.detach())
 
         def with_lora():
             return group(x, keep_lora_t=True)

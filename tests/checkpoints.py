@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from qlora_cli.weights import ModelSpec
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO_ROOT / "configs" / "demo" / "tiny-qwen3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -22,6 +24,26 @@ TINY = dict(
     max_position_embeddings=256,
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
+)
+
+
+# Qwen2.5-7B's shape, for tests that need real sizes without a checkpoint on disk.
+QWEN25_7B = ModelSpec(
+    model_type="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    qk_norm=False,
+    dtype=torch.bfloat16,
 )
 
 

@@ -1,31 +1,17 @@
 """A full QLoRA step at Qwen2.5-7B layer shapes on the GPU: Triton kernels against the reference ops."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from checkpoints import QWEN25_7B
 
 from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.weights import ModelSpec
 
 pytestmark = pytest.mark.gpu
 
 # Qwen2.5-7B's layer, two of them: the whole stack is the same layer 28 times.
-SPEC = ModelSpec(
-    model_type="qwen2",
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_layers=2,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-    attention_bias=True,
-    qk_norm=False,
-    dtype=torch.bfloat16,
-)
+SPEC = replace(QWEN25_7B, num_layers=2)
 
 
 def _random_tensors(seed: int):

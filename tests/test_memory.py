@@ -1,27 +1,9 @@
 """Layers to recompute from a memory budget, at Qwen2.5-7B's shape and 4 x 2048 tokens."""
 
-import torch
+from checkpoints import QWEN25_7B
 
 from qlora_cli.memory import kept_activation_bytes, layers_to_checkpoint
-from qlora_cli.weights import ModelSpec
 
-QWEN25_7B = ModelSpec(
-    model_type="qwen2",
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_layers=28,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-    attention_bias=True,
-    qk_norm=False,
-    dtype=torch.bfloat16,
-)
 TOKENS = 4 * 2048
 
 
