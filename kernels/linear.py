@@ -17,10 +17,12 @@ the bytes it moves:
 The MLP splits LoRA across its ops (kernels.swiglu): the gate/up projection stops at t =
 lora_x @ A^T (`lora_linear_a`), SwiGLU adds B, and the down projection starts from the t that
 SwiGLU forms (`lora_linear_b`), so neither of their GEMMs carries rank columns.
-Backward re-dequantizes W instead of keeping it and goes through the small rank first: with B
-as extra columns, dY @ [W | B] gives dX and g = dY @ B in one GEMM, so nothing of size out x in
-outlives a call. A checkpoint recompute can skip the GEMM (`need_output=False`): backward needs
-only x and t. The only Triton kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs
+Backward re-dequantizes W instead of keeping it, so nothing of size out x in outlives a call,
+and goes through the small rank first: dX = dY @ W and g = dY @ B are separate GEMMs. Joining
+them as dY @ [W | B] was slower at 7B on an H200: its row-strided dX slowed the GEMM, the
+dequantization into the wider rows and SwiGLU's backward, which reads down's dX (60 us a layer
+for down, 36 for qkv). A checkpoint recompute can skip the GEMM (`need_output=False`): backward
+needs only x and t. The only Triton kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs
 are cuBLAS through torch, so this module has none of its own.
 
 Numerics: everything is computed in x.dtype with fp32 accumulation (cuBLAS); the fp32 LoRA
@@ -167,21 +169,27 @@ def _lora_b_columns(lora_b, slices, rows: int, dtype: torch.dtype) -> torch.Tens
     ranks = sum(rank_slice.stop - rank_slice.start for rank_slice, _ in slices)
     columns = lora_b[0].new_zeros(rows, ranks, dtype=dtype)
     for b, (rank_slice, out_slice) in zip(lora_b, slices, strict=True):
-        columns[out_slice, rank_slice] = b.to(dtype)
+        columns[out_slice, rank_slice].copy_(b)
     return columns
 
 
 def _a_cat(lora_a, dtype: torch.dtype) -> torch.Tensor:
-    """Every A as one [ranks, in] matrix in the compute dtype."""
-    return torch.cat([a.to(dtype) for a in lora_a])
+    """Every A as one [ranks, in] matrix in the compute dtype: one concatenation, one cast."""
+    return (lora_a[0] if len(lora_a) == 1 else torch.cat(list(lora_a))).to(dtype)
 
 
-def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool, in_features: int):
-    """(dX = dY @ W or None, g = dY @ B). With B as extra weight columns the dX GEMM yields g
-    too, and dX comes back as a row-strided view."""
-    if need_dx and _takes_extra_columns(weights):
-        joined = dy @ _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
-        return joined[:, :in_features], joined[:, in_features:]
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * a @ b in fp32, for the LoRA weight gradients: on CUDA cuBLAS writes its fp32
+    accumulator out, which saves a rounding to bf16 and a cast kernel per gradient."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        out = torch.mm(a, b).float()
+    return out if scale == 1 else out.mul_(scale)
+
+
+def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool):
+    """(dX = dY @ W or None, g = dY @ B)."""
     dx = dy @ _stacked_weight(weights, dtype, buffer) if need_dx else None
     return dx, dy @ b_columns
 
@@ -245,10 +253,11 @@ class LoRALinearFunction(torch.autograd.Function):
         out_features = sum(_out_features(w) for w in weights)
         bias = _stacked_bias(biases, weights, x) if need_output else None
         out = t = None
+        a_cat = b_columns = None
         if lora_index:
             slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
             a_cat = _a_cat(lora_a, dtype)
-            b_columns = _lora_b_columns(lora_b, slices, out_features, dtype) if need_output else None
+            b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
             t = lora_rows @ a_cat.T
             if need_output and _lora_layout(weights) == "columns":
                 stacked = _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
@@ -261,18 +270,20 @@ class LoRALinearFunction(torch.autograd.Function):
         if out is None:
             # A checkpoint recompute only needs what backward saves; this output is never read.
             out = rows.new_empty(rows.shape[0], out_features)
-        ctx.save_for_backward(x, lora_x, t, *lora_params)
+        # A and B in the compute dtype are kept (a few MB a layer), so backward casts nothing.
+        ctx.save_for_backward(x, lora_x, t, a_cat, b_columns)
         ctx.scaling = scaling
         ctx.weights = weights
         ctx.buffer = buffer
         ctx.lora_index = lora_index
+        ctx.lora_shapes = [(p.shape, p.dtype) for p in lora_params]
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, lora_x, t, *lora_params = ctx.saved_tensors
+        x, lora_x, t, a_cat, b_columns = ctx.saved_tensors
         scaling, weights, lora_index = ctx.scaling, ctx.weights, ctx.lora_index
-        lora_a, lora_b = lora_params[0::2], lora_params[1::2]
+        a_shapes, b_shapes = ctx.lora_shapes[0::2], ctx.lora_shapes[1::2]
         dtype = x.dtype
         in_features = x.shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
@@ -283,11 +294,9 @@ class LoRALinearFunction(torch.autograd.Function):
             if need_dx:
                 dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
         else:
-            slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
-            b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
-            a_cat = _a_cat(lora_a, dtype)
+            slices = list(_lora_slices(weights, lora_index, [shape[0] for shape, _ in a_shapes]))
             # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks].
-            dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx, in_features)
+            dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx)
             if lora_x is None:
                 lora_rows = x.reshape(-1, in_features)
                 if need_dx:
@@ -296,12 +305,12 @@ class LoRALinearFunction(torch.autograd.Function):
                 lora_rows = lora_x.reshape(-1, in_features)
                 if ctx.needs_input_grad[1]:
                     dlora_x = torch.mm(g, a_cat).mul_(scaling).view(x.shape)
-            da_cat = torch.mm(g.T, lora_rows).mul_(scaling)
-            db_cat = torch.mm(dy.T, t).mul_(scaling)
+            da_cat = _mm_fp32(g.T, lora_rows, scaling)
+            db_cat = _mm_fp32(dy.T, t, scaling)
             for slot, (rank_slice, out_slice) in enumerate(slices):
                 grads += [
-                    da_cat[rank_slice].to(lora_a[slot].dtype),
-                    db_cat[out_slice, rank_slice].to(lora_b[slot].dtype),
+                    da_cat[rank_slice].to(a_shapes[slot][1]),
+                    db_cat[out_slice, rank_slice].to(b_shapes[slot][1]),
                 ]
         if dx is not None:
             dx = dx.view(x.shape)
@@ -321,24 +330,25 @@ class LoRAAFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
         out_features = sum(_out_features(w) for w in weights)
-        t = lora_rows @ _a_cat(lora_a, dtype).T
+        a_cat = _a_cat(lora_a, dtype)
+        t = lora_rows @ a_cat.T
         if need_output:
             out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
         else:
             out = rows.new_empty(rows.shape[0], out_features)
-        ctx.save_for_backward(x, lora_x, *lora_a)
+        ctx.save_for_backward(x, lora_x, a_cat)
         ctx.weights, ctx.buffer = weights, buffer
+        ctx.lora_shapes = [(a.shape, a.dtype) for a in lora_a]
         lead = x.shape[:-1]
         return out.view(*lead, out_features), t.view(*lead, t.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out, grad_t):
-        x, lora_x, *lora_a = ctx.saved_tensors
+        x, lora_x, a_cat = ctx.saved_tensors
         dtype = x.dtype
         in_features = x.shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
         dt = grad_t.reshape(-1, grad_t.shape[-1]).to(dtype)
-        a_cat = _a_cat(lora_a, dtype)
         dx = dlora_x = None
         if ctx.needs_input_grad[0]:
             dx = dy @ _stacked_weight(ctx.weights, dtype, ctx.buffer)
@@ -350,11 +360,11 @@ class LoRAAFunction(torch.autograd.Function):
             lora_rows = lora_x.reshape(-1, in_features)
             if ctx.needs_input_grad[1]:
                 dlora_x = (dt @ a_cat).view(x.shape)
-        da_cat = dt.T @ lora_rows
+        da_cat = _mm_fp32(dt.T, lora_rows, 1.0)
         grads, start = [], 0
-        for a in lora_a:
-            grads.append(da_cat[start : start + a.shape[0]].to(a.dtype))
-            start += a.shape[0]
+        for shape, grad_dtype in ctx.lora_shapes:
+            grads.append(da_cat[start : start + shape[0]].to(grad_dtype))
+            start += shape[0]
         return None if dx is None else dx.view(x.shape), dlora_x, None, None, None, None, *grads
 
 
@@ -372,31 +382,31 @@ class LoRABFunction(torch.autograd.Function):
         t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
         out_features = sum(_out_features(w) for w in weights)
         slices = list(_lora_slices(weights, lora_index, [b.shape[1] for b in lora_b]))
+        b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
         if need_output:
             out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
-            out.addmm_(t, _lora_b_columns(lora_b, slices, out_features, dtype).T, alpha=scaling)
+            out.addmm_(t, b_columns.T, alpha=scaling)
         else:
             out = rows.new_empty(rows.shape[0], out_features)
-        ctx.save_for_backward(lora_t, *lora_b)
+        ctx.save_for_backward(lora_t, b_columns)
+        ctx.grad_dtypes = [b.dtype for b in lora_b]
         ctx.x_shape, ctx.scaling, ctx.slices = x.shape, scaling, slices
         ctx.weights, ctx.buffer = weights, buffer
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
-        lora_t, *lora_b = ctx.saved_tensors
+        lora_t, b_columns = ctx.saved_tensors
         weights, scaling, slices = ctx.weights, ctx.scaling, ctx.slices
         dtype = grad_out.dtype
-        in_features = ctx.x_shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
-        b_columns = _lora_b_columns(lora_b, slices, dy.shape[1], dtype)
-        dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, ctx.needs_input_grad[0], in_features)
+        dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, ctx.needs_input_grad[0])
         dt = (g * scaling).to(lora_t.dtype).view(lora_t.shape)
-        db_cat = torch.mm(dy.T, t).mul_(scaling)
+        db_cat = _mm_fp32(dy.T, t, scaling)
         grads = [
-            db_cat[out_slice, rank_slice].to(b.dtype)
-            for b, (rank_slice, out_slice) in zip(lora_b, slices, strict=True)
+            db_cat[out_slice, rank_slice].to(grad_dtype)
+            for grad_dtype, (rank_slice, out_slice) in zip(ctx.grad_dtypes, slices, strict=True)
         ]
         dx = None if dx is None else dx.reshape(ctx.x_shape)
         return dx, dt, None, None, None, None, None, None, *grads

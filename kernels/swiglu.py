@@ -10,7 +10,8 @@ B as extra K columns made the gate/up GEMM's K 3,584 + 32 at Qwen2.5-7B, about 2
 plus 115 us for the copy [x | t]. Backward works the same way: one pass over dh, gate and up
 gives dgate_up, and, as sums over tokens, B_gate's and B_up's gradients and A_down's (from
 down_t's gradient and the recomputed h). So the down projection keeps only down_t for its
-backward, not h.
+backward, not h. The same pass adds t's gradient, dgate @ B, across its programs with atomics:
+two skinny GEMMs over dgate_up did that before, a second read of 620 MB at 7B.
 
 Neither h nor silu(gate) is kept: backward recomputes them from the saved gate/up. A checkpoint
 recompute needs only down_t (need_output=False skips writing h).
@@ -70,13 +71,18 @@ def _split_ranks(lora_t, gate_b, up_b):
 
 
 @triton.jit
-def _lora_add(base, t, b_ptr, cols, col_mask, ranks, rank, scaling):
-    """base + scaling * t @ B[cols]^T, B [n_cols, rank] row-major; the product accumulates in fp32."""
-    b = tl.load(
+def _load_b(b_ptr, cols, col_mask, ranks, rank):
+    """B[cols] [BLOCK_N, RANK_BLOCK] of a row-major B [n_cols, rank], zero past the edges."""
+    return tl.load(
         b_ptr + cols[:, None] * rank + ranks[None, :],
         mask=col_mask[:, None] & (ranks[None, :] < rank),
         other=0.0,
     )
+
+
+@triton.jit
+def _lora_add(base, t, b, scaling):
+    """base + scaling * t @ b^T; the product accumulates in fp32."""
     return base + scaling * tl.dot(t, tl.trans(b))
 
 
@@ -129,9 +135,9 @@ def _lora_swiglu_fwd_kernel(
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
         if GATE_LORA:
-            gate = _lora_add(gate, t_gate, gate_b_ptr, cols, col_mask, ranks, rank, scaling)
+            gate = _lora_add(gate, t_gate, _load_b(gate_b_ptr, cols, col_mask, ranks, rank), scaling)
         if UP_LORA:
-            up = _lora_add(up, t_up, up_b_ptr, cols, col_mask, ranks, rank, scaling)
+            up = _lora_add(up, t_up, _load_b(up_b_ptr, cols, col_mask, ranks, rank), scaling)
         h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
         if STORE_H:
             tl.store(h_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
@@ -164,6 +170,8 @@ def _lora_swiglu_bwd_kernel(
     dgate_b_ptr,
     dup_b_ptr,
     ddown_a_ptr,
+    dt_gate_ptr,
+    dt_up_ptr,
     n_rows,
     n_cols,
     rows_per_split,
@@ -176,6 +184,7 @@ def _lora_swiglu_bwd_kernel(
     GATE_LORA: tl.constexpr,
     UP_LORA: tl.constexpr,
     DOWN_LORA: tl.constexpr,
+    LORA_T_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
@@ -183,7 +192,8 @@ def _lora_swiglu_bwd_kernel(
 ):
     """One program: BLOCK_N columns down one split of the tokens; it writes its split's part of
     the weight gradients' sums over tokens in fp32, without atomics, and the launcher adds the
-    splits."""
+    splits. lora_t's gradient, a sum over columns, is added across programs with fp32 atomics
+    (LORA_T_GRAD), so its summation order varies from run to run."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     first_row = split * rows_per_split
@@ -197,6 +207,10 @@ def _lora_swiglu_bwd_kernel(
             mask=down_rank_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
+    if GATE_LORA:
+        gate_b = _load_b(gate_b_ptr, cols, col_mask, ranks, rank)
+    if UP_LORA:
+        up_b = _load_b(up_b_ptr, cols, col_mask, ranks, rank)
     dgate_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
     dup_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
     ddown_a = tl.zeros([DOWN_RANK_BLOCK, BLOCK_N], dtype=tl.float32)
@@ -208,12 +222,13 @@ def _lora_swiglu_bwd_kernel(
         gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+        t_offsets = rows[:, None] * t_stride + ranks[None, :]
         if GATE_LORA:
-            t_gate = tl.load(t_gate_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
-            gate = _lora_add(gate, t_gate, gate_b_ptr, cols, col_mask, ranks, rank, scaling)
+            t_gate = tl.load(t_gate_ptr + t_offsets, mask=t_mask, other=0.0)
+            gate = _lora_add(gate, t_gate, gate_b, scaling)
         if UP_LORA:
-            t_up = tl.load(t_up_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
-            up = _lora_add(up, t_up, up_b_ptr, cols, col_mask, ranks, rank, scaling)
+            t_up = tl.load(t_up_ptr + t_offsets, mask=t_mask, other=0.0)
+            up = _lora_add(up, t_up, up_b, scaling)
         dh = tl.load(dh_ptr + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
@@ -233,8 +248,14 @@ def _lora_swiglu_bwd_kernel(
         tl.store(dgate_ptrs + n_cols, dup, mask=mask)
         if GATE_LORA:
             dgate_b += tl.dot(tl.trans(dgate), t_gate)
+            if LORA_T_GRAD:
+                dt_gate = scaling * tl.dot(dgate, gate_b)
+                tl.atomic_add(dt_gate_ptr + t_offsets, dt_gate, mask=t_mask, sem="relaxed")
         if UP_LORA:
             dup_b += tl.dot(tl.trans(dup), t_up)
+            if LORA_T_GRAD:
+                dt_up = scaling * tl.dot(dup, up_b)
+                tl.atomic_add(dt_up_ptr + t_offsets, dt_up, mask=t_mask, sem="relaxed")
     b_ptrs = (split * n_cols + cols[:, None]) * rank + ranks[None, :]
     b_mask = col_mask[:, None] & (ranks[None, :] < rank)
     if GATE_LORA:
@@ -258,16 +279,17 @@ _BWD_BLOCK_T, _BWD_BLOCK_N = 64, 64
 # Both passes are bound by memory, and one program a row (or column) of tiles is too few to keep
 # HBM busy: 128 programs at 8,192 tokens. With LoRA, each pass is split along the dimension it
 # sums over until about this many programs run, and the fp32 partial sums (a few MB at most)
-# are added afterwards.
-_PROGRAMS = 1024
+# are added afterwards. Timed at Qwen2.5-7B on an H200 (benchmarks/RESULTS.md).
+_FWD_PROGRAMS = 1024
+_BWD_PROGRAMS = 2048
 
 
-def _splits(blocks: int, programs: int, reduced: bool) -> tuple[int, int]:
-    """(splits, blocks per split) of `blocks` so `programs` x splits reaches _PROGRAMS; with
+def _splits(blocks: int, programs: int, reduced: bool, target: int) -> tuple[int, int]:
+    """(splits, blocks per split) of `blocks` so `programs` x splits reaches `target`; with
     nothing summed along them (no LoRA), every block is its own program."""
     if not reduced:
         return blocks, 1
-    splits = min(blocks, max(1, triton.cdiv(_PROGRAMS, programs)))
+    splits = min(blocks, max(1, triton.cdiv(target, programs)))
     per_split = triton.cdiv(blocks, splits)
     return triton.cdiv(blocks, per_split), per_split
 
@@ -319,10 +341,14 @@ class _Operands:
             self.gate_up if m is None else m.to(self.dtype).contiguous() for m in (gate_b, up_b, down_a)
         ]
 
+    @property
+    def up_start(self) -> int:
+        """The first of up's ranks in t: they follow gate's."""
+        return self.rank if self.present[0] else 0
+
     def inputs(self) -> list:
-        """gate_up, t_gate, t_up (up's ranks follow gate's), B_gate, B_up, A_down."""
-        up_start = self.rank if self.present[0] else 0
-        return [self.gate_up, self.t, self.t[:, up_start:], *self.matrices]
+        """gate_up, t_gate, t_up, B_gate, B_up, A_down."""
+        return [self.gate_up, self.t, self.t[:, self.up_start :], *self.matrices]
 
     def flags(self) -> dict:
         gate, up, down = self.present
@@ -344,7 +370,7 @@ def _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output)
         # h's shape without its memory: 310 MB at Qwen2.5-7B's 8,192 tokens, during a recompute.
         h = ops.gate_up.new_empty(1).expand(n_rows, n_cols)
     row_blocks = triton.cdiv(n_rows, _FWD_BLOCK_T)
-    splits, blocks_per_split = _splits(triton.cdiv(n_cols, _FWD_BLOCK_N), row_blocks, down)
+    splits, blocks_per_split = _splits(triton.cdiv(n_cols, _FWD_BLOCK_N), row_blocks, down, _FWD_PROGRAMS)
     partial = (
         torch.empty((splits, n_rows, ops.down_rank), dtype=torch.float32, device=ops.device) if down else None
     )
@@ -368,26 +394,35 @@ def _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output)
     return h, None if partial is None else partial.sum(0).to(ops.dtype)
 
 
-def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a):
-    """(dgate_up, dB_gate, dB_up, dA_down): the weight gradients in fp32, None where absent."""
+def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a, lora_t_grad=False):
+    """(dgate_up, dB_gate, dB_up, dA_down, dlora_t): the weight gradients in fp32, None where
+    absent; dlora_t [rows, ranks] in fp32 only with lora_t_grad."""
     ops = _Operands(gate_up, lora_t, gate_b, up_b, down_a)
     n_rows, n_cols = ops.n_rows, ops.n_cols
     dh2d = _rows(dh)
     down_dt2d = dh2d if down_dt is None else _rows(down_dt.to(ops.dtype))
     dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=ops.dtype, device=ops.device)
     col_blocks = triton.cdiv(n_cols, _BWD_BLOCK_N)
-    splits, blocks_per_split = _splits(triton.cdiv(n_rows, _BWD_BLOCK_T), col_blocks, any(ops.present))
+    row_blocks = triton.cdiv(n_rows, _BWD_BLOCK_T)
+    splits, blocks_per_split = _splits(row_blocks, col_blocks, any(ops.present), _BWD_PROGRAMS)
     shapes = ((n_cols, ops.rank), (n_cols, ops.rank), (ops.down_rank, n_cols))
     grads = [
         torch.empty((splits, *shape), dtype=torch.float32, device=ops.device) if present else None
         for shape, present in zip(shapes, ops.present, strict=True)
     ]
+    # lora_t's gradient takes t's row stride, so both are addressed alike in the kernel.
+    dt = (
+        torch.zeros((n_rows, ops.t.stride(0)), dtype=torch.float32, device=ops.device)
+        if lora_t_grad
+        else None
+    )
     _lora_swiglu_bwd_kernel[(col_blocks, splits)](
         dh2d,
         down_dt2d,
         *ops.inputs(),
         dgate_up,
         *(dgate_up if grad is None else grad for grad in grads),
+        *((dgate_up, dgate_up) if dt is None else (dt, dt[:, ops.up_start :])),
         n_rows,
         n_cols,
         blocks_per_split * _BWD_BLOCK_T,
@@ -397,11 +432,13 @@ def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a
         ops.rank,
         ops.down_rank,
         float(scaling),
+        LORA_T_GRAD=lora_t_grad,
         BLOCK_T=_BWD_BLOCK_T,
         BLOCK_N=_BWD_BLOCK_N,
         **ops.flags(),
     )
-    return dgate_up, *(None if grad is None else grad.sum(0) for grad in grads)
+    dlora_t = None if dt is None else dt[:, : lora_t.shape[-1]]
+    return dgate_up, *(None if grad is None else grad.sum(0) for grad in grads), dlora_t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,16 +449,19 @@ def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a
 class LoRASwiGLUFunction(torch.autograd.Function):
     """Inputs: gate_up, lora_t, gate_b, up_b, down_a (each B/A may be None), scaling, need_output.
 
-    Outputs h and down_t (None without down_a). lora_t's gradient, scaling * dgate @ B, is a
-    sum over columns, which the column-wise backward pass cannot form without atomics; it is one
-    skinny GEMM per B over dgate_up.
+    Outputs h and down_t (None without down_a). The B's and A are cast to the compute dtype once
+    and kept for backward. lora_t's gradient, scaling * dgate @ B, is a sum over columns: the
+    backward kernel adds it up with atomics, or, under torch.use_deterministic_algorithms, one
+    skinny GEMM per B over dgate_up forms it in a fixed order.
     """
 
     @staticmethod
     def forward(ctx, gate_up, lora_t, gate_b, up_b, down_a, scaling, need_output):
-        h, down_t = _swiglu_forward(gate_up, lora_t, gate_b, up_b, scaling, down_a, need_output)
-        ctx.save_for_backward(gate_up, lora_t, gate_b, up_b, down_a)
+        matrices = [None if m is None else m.to(gate_up.dtype).contiguous() for m in (gate_b, up_b, down_a)]
+        h, down_t = _swiglu_forward(gate_up, lora_t, *matrices[:2], scaling, matrices[2], need_output)
+        ctx.save_for_backward(gate_up, lora_t, *matrices)
         ctx.scaling = scaling
+        ctx.grad_dtypes = [None if m is None else m.dtype for m in (gate_b, up_b, down_a)]
         lead = gate_up.shape[:-1]
         return h.view(*lead, h.shape[-1]), None if down_t is None else down_t.view(*lead, down_t.shape[-1])
 
@@ -429,23 +469,22 @@ class LoRASwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dh, down_dt):
         gate_up, lora_t, gate_b, up_b, down_a = ctx.saved_tensors
         scaling = ctx.scaling
-        dgate_up, dgate_b, dup_b, ddown_a = _swiglu_backward(
-            dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a
+        want_dlora_t = lora_t is not None and ctx.needs_input_grad[1]
+        atomics = want_dlora_t and not torch.are_deterministic_algorithms_enabled()
+        dgate_up, *weight_grads, dlora_t = _swiglu_backward(
+            dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a, lora_t_grad=atomics
         )
-        dlora_t = None
-        if lora_t is not None and ctx.needs_input_grad[1]:
+        if want_dlora_t and not atomics:
             gate, up = dgate_up.chunk(2, dim=1)
-            parts = [half @ b.to(half.dtype) for half, b in ((gate, gate_b), (up, up_b)) if b is not None]
-            dlora_t = torch.cat(parts, dim=1).mul_(scaling).view(lora_t.shape)
-        return (
-            dgate_up.view(gate_up.shape),
-            dlora_t,
-            None if dgate_b is None else dgate_b.to(gate_b.dtype),
-            None if dup_b is None else dup_b.to(up_b.dtype),
-            None if ddown_a is None else ddown_a.to(down_a.dtype),
-            None,
-            None,
-        )
+            parts = [half @ b for half, b in ((gate, gate_b), (up, up_b)) if b is not None]
+            dlora_t = torch.cat(parts, dim=1).mul_(scaling)
+        if dlora_t is not None:
+            dlora_t = dlora_t.to(lora_t.dtype).view(lora_t.shape)
+        weight_grads = [
+            None if grad is None else grad.to(dtype)
+            for grad, dtype in zip(weight_grads, ctx.grad_dtypes, strict=True)
+        ]
+        return dgate_up.view(gate_up.shape), dlora_t, *weight_grads, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,10 +18,13 @@ def frozen_weight_bytes(spec: ModelSpec) -> int:
     return int(projections * (0.5 + 1 / 64)) + embeddings * BF16
 
 
+def lora_weights_per_layer(spec: ModelSpec, lora_r: int) -> int:
+    return sum(lora_r * (out + inp) for out, inp in spec.projection_shapes().values())
+
+
 def trainable_state_bytes(spec: ModelSpec, lora_r: int) -> int:
     """fp32 LoRA weights, their gradients and two AdamW moments."""
-    per_layer = sum(lora_r * (out + inp) for out, inp in spec.projection_shapes().values())
-    return per_layer * spec.num_layers * 4 * 4
+    return lora_weights_per_layer(spec, lora_r) * spec.num_layers * 4 * 4
 
 
 def kept_activation_bytes(spec: ModelSpec, tokens: int, lora_dropout: float = 0.0) -> int:
@@ -68,8 +71,11 @@ def layers_to_checkpoint(
     loss_chunk = 2**30  # the fused loss's logits chunk and its working set
     fixed = frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + loss_chunk
     fixed += spec.num_layers * checkpointed_activation_bytes(spec, tokens)
-    extra_per_kept = kept_activation_bytes(spec, tokens, lora_dropout) - checkpointed_activation_bytes(
-        spec, tokens
+    # A kept layer's LoRA ops also hold their A and B in bf16 for backward (kernels.linear).
+    extra_per_kept = (
+        kept_activation_bytes(spec, tokens, lora_dropout)
+        + lora_weights_per_layer(spec, lora_r) * BF16
+        - checkpointed_activation_bytes(spec, tokens)
     )
     kept = int(max(0, budget - fixed) // max(1, extra_per_kept))
     return spec.num_layers - min(spec.num_layers, kept)

@@ -27,6 +27,15 @@ def reference_ops(monkeypatch):
 
 
 @pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms for one test: kernels that sum with atomics take their
+    fixed-order path (kernels.swiglu)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
     from qlora_cli.cli import main

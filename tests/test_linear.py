@@ -327,13 +327,14 @@ def test_gpu_bf16_matches_fp32_reference(name):
 @pytest.mark.parametrize("shared_buffer", [True, False])
 def test_gpu_memory_holds_nothing_of_weight_size(shared_buffer):
     """gate/up: after forward only y and the small LoRA product stay alive; the peak of
-    forward + backward is y + dX (+ the transient scratch when none is shared)."""
+    forward + backward is y + dX (+ the transient scratch when none is shared). The slack holds
+    cuBLAS's workspace and the rank-sized tensors: t, A and B in bf16, their fp32 gradients."""
     x, weights, biases, lora_a, lora_b = _gpu_group("gate_up")
     out_features = 2 * INTERMEDIATE
     y_bytes = TOKENS * out_features * 2
     x_bytes = TOKENS * HIDDEN * 2
     weight_bytes = out_features * HIDDEN * 2
-    slack = 32 * 2**20
+    slack = 40 * 2**20
     buffer = (
         torch.empty(buffer_numel(weights, lora_a), dtype=torch.bfloat16, device="cuda")
         if shared_buffer

@@ -117,11 +117,33 @@ def test_recompute_skips_h_but_not_what_backward_needs():
 
 
 def test_backward_keeps_inputs_only():
-    """Neither h nor silu(gate) is saved: backward recomputes them from gate_up."""
+    """Neither h nor silu(gate) is saved: backward recomputes them from gate_up. The LoRA
+    matrices are kept in the compute dtype, here their own."""
     inputs = _lora(True, True, True, 5)
     h, _ = lora_swiglu(*inputs[:4], 0.7, inputs[4])
     saved = h.grad_fn.saved_tensors
     assert {t.data_ptr() for t in saved if t is not None} == {t.data_ptr() for t in inputs}
+
+
+def test_deterministic_algorithms_sum_lora_t_grad_in_a_fixed_order(deterministic_algorithms, monkeypatch):
+    """Under torch.use_deterministic_algorithms the kernel leaves t's gradient to the GEMMs."""
+    import kernels.swiglu as swiglu_module
+
+    launches = []
+    launcher = swiglu_module._swiglu_backward
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs["lora_t_grad"])
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(swiglu_module, "_swiglu_backward", spy)
+    inputs = _lora(True, True, True, 5)
+    grads = [torch.randn(2, 35, 72), torch.randn(2, 35, 8)]
+    _, got = _run(lora_swiglu, inputs, grads)
+    _, want = _run(lora_swiglu_reference, inputs, grads)
+    assert launches == [False]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 def test_odd_width_is_refused():
