@@ -17,13 +17,13 @@ the bytes it moves:
 The MLP splits LoRA across its ops (kernels.swiglu): the gate/up projection stops at t =
 lora_x @ A^T (`lora_linear_a`), SwiGLU adds B, and the down projection starts from the t that
 SwiGLU forms (`lora_linear_b`), so neither of their GEMMs carries rank columns.
-Backward re-dequantizes W instead of keeping it, so nothing of size out x in outlives a call,
-and goes through the small rank first: dX = dY @ W and g = dY @ B are separate GEMMs. Joining
-them as dY @ [W | B] was slower at 7B on an H200: its row-strided dX slowed the GEMM, the
-dequantization into the wider rows and SwiGLU's backward, which reads down's dX (60 us a layer
-for down, 36 for qkv). A checkpoint recompute can skip the GEMM (`need_output=False`): backward
-needs only x and t. The only Triton kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs
-are cuBLAS through torch, so this module has none of its own.
+Backward re-dequantizes W instead of keeping it and goes through the small rank first: with B
+as extra columns, dY @ [W | B] gives dX and g = dY @ B in one GEMM, so nothing of size out x in
+outlives a call. Inside a 7B training step on an H200 that beat separate dX and g GEMMs, for
+which cuBLAS picked a slower kernel at down's shape (benchmarks/RESULTS.md). A checkpoint
+recompute can skip the GEMM (`need_output=False`): backward needs only x and t. The only Triton
+kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so
+this module has none of its own.
 
 Numerics: everything is computed in x.dtype with fp32 accumulation (cuBLAS); the fp32 LoRA
 master weights are cast to x.dtype for the matmuls and get their gradients back in fp32.
@@ -189,7 +189,12 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool):
-    """(dX = dY @ W or None, g = dY @ B)."""
+    """(dX = dY @ W or None, g = dY @ B). With B as extra weight columns the dX GEMM yields g
+    too, and dX comes back as a row-strided view."""
+    if need_dx and _takes_extra_columns(weights):
+        joined = dy @ _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
+        in_features = joined.shape[1] - b_columns.shape[1]
+        return joined[:, :in_features], joined[:, in_features:]
     dx = dy @ _stacked_weight(weights, dtype, buffer) if need_dx else None
     return dx, dy @ b_columns
 
