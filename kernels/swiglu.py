@@ -325,6 +325,11 @@ def _check(gate_up, lora_t, gate_b, up_b, down_a) -> None:
         raise ValueError(f"down_a must be [rank, {intermediate}], got {tuple(down_a.shape)}")
 
 
+def _in_dtype(dtype: torch.dtype, *matrices):
+    """The LoRA matrices contiguous in the compute dtype (a no-op for those that already are)."""
+    return [None if m is None else m.to(dtype).contiguous() for m in matrices]
+
+
 class _Operands:
     """What both passes hand their kernel: gate_up and t as rows, the B's and A in the compute
     dtype (gate_up itself stands in for an absent one: the kernel never reads it), ranks, flags."""
@@ -338,7 +343,7 @@ class _Operands:
         self.down_rank = 0 if down_a is None else down_a.shape[0]
         self.present = (gate_b is not None, up_b is not None, down_a is not None)
         self.matrices = [
-            self.gate_up if m is None else m.to(self.dtype).contiguous() for m in (gate_b, up_b, down_a)
+            self.gate_up if m is None else m for m in _in_dtype(self.dtype, gate_b, up_b, down_a)
         ]
 
     @property
@@ -457,7 +462,7 @@ class LoRASwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, lora_t, gate_b, up_b, down_a, scaling, need_output):
-        matrices = [None if m is None else m.to(gate_up.dtype).contiguous() for m in (gate_b, up_b, down_a)]
+        matrices = _in_dtype(gate_up.dtype, gate_b, up_b, down_a)
         h, down_t = _swiglu_forward(gate_up, lora_t, *matrices[:2], scaling, matrices[2], need_output)
         ctx.save_for_backward(gate_up, lora_t, *matrices)
         ctx.scaling = scaling
@@ -479,7 +484,7 @@ class LoRASwiGLUFunction(torch.autograd.Function):
             parts = [half @ b for half, b in ((gate, gate_b), (up, up_b)) if b is not None]
             dlora_t = torch.cat(parts, dim=1).mul_(scaling)
         if dlora_t is not None:
-            dlora_t = dlora_t.to(lora_t.dtype).view(lora_t.shape)
+            dlora_t = dlora_t.to(lora_t.dtype).reshape(lora_t.shape)
         weight_grads = [
             None if grad is None else grad.to(dtype)
             for grad, dtype in zip(weight_grads, ctx.grad_dtypes, strict=True)
