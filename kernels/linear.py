@@ -259,8 +259,8 @@ class LoRALinearFunction(torch.autograd.Function):
         bias = _stacked_bias(biases, weights, x) if need_output else None
         out = t = None
         a_cat = b_columns = None
+        slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
         if lora_index:
-            slices = list(_lora_slices(weights, lora_index, [a.shape[0] for a in lora_a]))
             a_cat = _a_cat(lora_a, dtype)
             b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
             t = lora_rows @ a_cat.T
@@ -281,14 +281,15 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.weights = weights
         ctx.buffer = buffer
         ctx.lora_index = lora_index
-        ctx.lora_shapes = [(p.shape, p.dtype) for p in lora_params]
+        ctx.slices = slices
+        ctx.grad_dtypes = [p.dtype for p in lora_params]
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, lora_x, t, a_cat, b_columns = ctx.saved_tensors
         scaling, weights, lora_index = ctx.scaling, ctx.weights, ctx.lora_index
-        a_shapes, b_shapes = ctx.lora_shapes[0::2], ctx.lora_shapes[1::2]
+        a_dtypes, b_dtypes = ctx.grad_dtypes[0::2], ctx.grad_dtypes[1::2]
         dtype = x.dtype
         in_features = x.shape[-1]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
@@ -299,7 +300,6 @@ class LoRALinearFunction(torch.autograd.Function):
             if need_dx:
                 dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
         else:
-            slices = list(_lora_slices(weights, lora_index, [shape[0] for shape, _ in a_shapes]))
             # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks].
             dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx)
             if lora_x is None:
@@ -312,10 +312,10 @@ class LoRALinearFunction(torch.autograd.Function):
                     dlora_x = torch.mm(g, a_cat).mul_(scaling).view(x.shape)
             da_cat = _mm_fp32(g.T, lora_rows, scaling)
             db_cat = _mm_fp32(dy.T, t, scaling)
-            for slot, (rank_slice, out_slice) in enumerate(slices):
+            for slot, (rank_slice, out_slice) in enumerate(ctx.slices):
                 grads += [
-                    da_cat[rank_slice].to(a_shapes[slot][1]),
-                    db_cat[out_slice, rank_slice].to(b_shapes[slot][1]),
+                    da_cat[rank_slice].to(a_dtypes[slot]),
+                    db_cat[out_slice, rank_slice].to(b_dtypes[slot]),
                 ]
         if dx is not None:
             dx = dx.view(x.shape)
@@ -343,7 +343,8 @@ class LoRAAFunction(torch.autograd.Function):
             out = rows.new_empty(rows.shape[0], out_features)
         ctx.save_for_backward(x, lora_x, a_cat)
         ctx.weights, ctx.buffer = weights, buffer
-        ctx.lora_shapes = [(a.shape, a.dtype) for a in lora_a]
+        ctx.ranks = [a.shape[0] for a in lora_a]
+        ctx.grad_dtypes = [a.dtype for a in lora_a]
         lead = x.shape[:-1]
         return out.view(*lead, out_features), t.view(*lead, t.shape[1])
 
@@ -367,9 +368,9 @@ class LoRAAFunction(torch.autograd.Function):
                 dlora_x = (dt @ a_cat).view(x.shape)
         da_cat = _mm_fp32(dt.T, lora_rows, 1.0)
         grads, start = [], 0
-        for shape, grad_dtype in ctx.lora_shapes:
-            grads.append(da_cat[start : start + shape[0]].to(grad_dtype))
-            start += shape[0]
+        for rank, grad_dtype in zip(ctx.ranks, ctx.grad_dtypes, strict=True):
+            grads.append(da_cat[start : start + rank].to(grad_dtype))
+            start += rank
         return None if dx is None else dx.view(x.shape), dlora_x, None, None, None, None, *grads
 
 

@@ -71,7 +71,7 @@ def layers_to_checkpoint(
     loss_chunk = 2**30  # the fused loss's logits chunk and its working set
     fixed = frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + loss_chunk
     fixed += spec.num_layers * checkpointed_activation_bytes(spec, tokens)
-    # A kept layer's LoRA ops also hold their A and B in bf16 for backward (kernels.linear).
+    # A kept layer's LoRA ops also hold their A and B in bf16 for backward (kernels.linear, .swiglu).
     extra_per_kept = (
         kept_activation_bytes(spec, tokens, lora_dropout)
         + lora_weights_per_layer(spec, lora_r) * BF16
