@@ -55,7 +55,7 @@ def _step(model: QLoRAModel, batch):
     loss = loss_sum / count
     loss.backward()
     grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.requires_grad}
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def test_full_step_matches_reference_ops(monkeypatch):
