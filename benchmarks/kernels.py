@@ -15,13 +15,13 @@ from rich.console import Console
 from rich.table import Table
 from triton.testing import do_bench
 
-from kernels.attention import attention
-from kernels.cross_entropy import linear_cross_entropy
-from kernels.linear import lora_linear
-from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
-from kernels.rmsnorm import add_rms_norm
-from kernels.rope import apply_rope
-from kernels.swiglu import swiglu
+from qlora_kernels.attention import attention
+from qlora_kernels.cross_entropy import linear_cross_entropy
+from qlora_kernels.linear import lora_linear
+from qlora_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from qlora_kernels.rmsnorm import add_rms_norm
+from qlora_kernels.rope import apply_rope
+from qlora_kernels.swiglu import swiglu
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 3584, 18944, 28, 4, 128, 152064, 16
 BF16 = torch.bfloat16

@@ -3,8 +3,8 @@
 Usage: python -m benchmarks.projections [--model qwen2.5-7b] [--tokens 8192] [--rank 16]
 
 At a model's shapes (NF4 weights, bf16 activations) times, bare and with LoRA on every
-projection, forward and forward + backward of what the model runs: `kernels.linear.lora_linear`
-for qkv and o, and for the MLP gate/up (`lora_linear_a`) → SwiGLU (`kernels.swiglu.lora_swiglu`)
+projection, forward and forward + backward of what the model runs: `qlora_kernels.linear.lora_linear`
+for qkv and o, and for the MLP gate/up (`lora_linear_a`) → SwiGLU (`qlora_kernels.swiglu.lora_swiglu`)
 → down (`lora_linear_b`), where the MLP's LoRA is split across the three. Replaying a captured
 graph leaves out Python's launch overhead, so the difference is what LoRA costs the GPU.
 """
@@ -16,9 +16,9 @@ import argparse
 import torch
 
 from benchmarks.shapes import QWEN25
-from kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
-from kernels.nf4 import quantize_nf4
-from kernels.swiglu import lora_swiglu
+from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
+from qlora_kernels.nf4 import quantize_nf4
+from qlora_kernels.swiglu import lora_swiglu
 
 
 def replay_us(fn, replays: int = 20) -> float:

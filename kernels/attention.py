@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._dispatch import interpreting, use_triton
+from qlora_kernels._dispatch import interpreting, use_triton
 
 
 def _allowed_mask(seq_len: int, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:

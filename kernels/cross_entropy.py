@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
+from qlora_kernels._dispatch import use_triton
 
 LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 BLOCK_V = 4096

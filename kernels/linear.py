@@ -34,8 +34,8 @@ from dataclasses import replace
 
 import torch
 
-from kernels._dispatch import use_triton
-from kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference
+from qlora_kernels._dispatch import use_triton
+from qlora_kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference
 
 FrozenWeight = NF4Weight | torch.Tensor
 
@@ -144,7 +144,7 @@ def _stacked_weight(
         buffer = torch.empty(total, dtype=dtype, device=first.device)
     if buffer.dtype != dtype or buffer.numel() < total or not buffer.is_contiguous():
         raise ValueError(
-            f"buffer must be contiguous {dtype} with at least {total} values (kernels.linear.buffer_numel), "
+            f"buffer must be contiguous {dtype} with at least {total} values (qlora_kernels.linear.buffer_numel), "
             f"got {buffer.dtype} with {buffer.numel()}"
         )
     stacked = buffer.reshape(-1)[:total].view(shape)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
+from qlora_kernels._dispatch import use_triton
 
 BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256

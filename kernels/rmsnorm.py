@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
+from qlora_kernels._dispatch import use_triton
 
 # ---------------------------------------------------------------------------------------------
 # Reference

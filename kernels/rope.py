@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
-from kernels.rmsnorm import rms_norm_reference
+from qlora_kernels._dispatch import use_triton
+from qlora_kernels.rmsnorm import rms_norm_reference
 
 # ---------------------------------------------------------------------------------------------
 # Reference

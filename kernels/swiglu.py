@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
+from qlora_kernels._dispatch import use_triton
 
 # ---------------------------------------------------------------------------------------------
 # Reference

@@ -20,7 +20,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kernels.nf4 import dequantize_nf4, quantize_nf4
 from qlora_cli.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
 from qlora_cli.checkpoint import latest_checkpoint, read_checkpoint_config, read_trainer_state
 from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
@@ -29,6 +28,7 @@ from qlora_cli.hub import TOKENIZER_FILES, resolve_model
 from qlora_cli.model import QLoRAModel
 from qlora_cli.train import lora_config
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
+from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 ADAPTER_FILE = "adapter_model.safetensors"
 BASES = ("original", "nf4")

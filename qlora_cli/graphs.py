@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.cross_entropy import check_labels_in_vocab
+from qlora_kernels.cross_entropy import check_labels_in_vocab
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

@@ -19,17 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.attention import attention
-from kernels.cross_entropy import linear_cross_entropy
-from kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
-from kernels.nf4 import NF4Weight, quantize_nf4
-from kernels.rmsnorm import add_rms_norm
-from kernels.rope import apply_rope
-from kernels.swiglu import lora_swiglu
 from qlora_cli.config import ALL_PROJECTIONS
 from qlora_cli.hub import resolve_model
 from qlora_cli.profiler import timed
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
+from qlora_kernels.attention import attention
+from qlora_kernels.cross_entropy import linear_cross_entropy
+from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
+from qlora_kernels.nf4 import NF4Weight, quantize_nf4
+from qlora_kernels.rmsnorm import add_rms_norm
+from qlora_kernels.rope import apply_rope
+from qlora_kernels.swiglu import lora_swiglu
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

@@ -29,10 +29,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kernels.linear import lora_linear
-from kernels.swiglu import lora_swiglu
 from qlora_cli.config import TrainConfig
 from qlora_cli.errors import QLoraError
+from qlora_kernels.linear import lora_linear
+from qlora_kernels.swiglu import lora_swiglu
 
 if TYPE_CHECKING:
     from qlora_cli.train import TrainResult

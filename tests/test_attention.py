@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attention import attention, attention_reference
+from qlora_kernels.attention import attention, attention_reference
 
 
 def _packed_doc_ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.cross_entropy import (
+from qlora_kernels.cross_entropy import (
     default_chunk_size,
     linear_cross_entropy,
     linear_cross_entropy_reference,

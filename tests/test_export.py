@@ -10,7 +10,6 @@ from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, writ
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kernels.nf4 import dequantize_nf4, quantize_nf4
 from qlora_cli.adapter import load_adapter_state
 from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
@@ -19,6 +18,7 @@ from qlora_cli.export import export, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
 from qlora_cli.train import compute_dtype, lora_config, train
 from qlora_cli.weights import read_spec
+from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}

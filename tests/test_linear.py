@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.linear import (
+from qlora_kernels.linear import (
     LoRAAFunction,
     LoRABFunction,
     LoRALinearFunction,
@@ -17,7 +17,7 @@ from kernels.linear import (
     lora_linear_b_reference,
     lora_linear_reference,
 )
-from kernels.nf4 import dequantize_nf4_reference, quantize_nf4
+from qlora_kernels.nf4 import dequantize_nf4_reference, quantize_nf4
 
 gpu = pytest.mark.gpu
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from checkpoints import load_transformers, write_qwen2, write_qwen3
 
-from kernels.nf4 import dequantize_nf4, quantize_nf4
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels.nf4 import (
+from qlora_kernels.nf4 import (
     DYNAMIC_MAP,
     NF4_CODE,
     NF4Weight,

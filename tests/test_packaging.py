@@ -295,8 +295,8 @@ def test_build_gives_a_wheel_and_an_sdist(dist):
 
 def test_installed_wheel_is_what_runs(wheel_venv):
     code = (
-        "import sysconfig, qlora_cli, kernels; "
-        "print(sysconfig.get_paths()['purelib']); print(qlora_cli.__file__); print(kernels.__file__)"
+        "import sysconfig, qlora_cli, qlora_kernels; "
+        "print(sysconfig.get_paths()['purelib']); print(qlora_cli.__file__); print(qlora_kernels.__file__)"
     )
     proc = wheel_venv.run(wheel_venv.bin("python"), "-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -345,3 +345,31 @@ def test_shell_completion_without_a_terminal(wheel_venv):
     assert script.returncode == 0 and "_QLORA_COMPLETE=complete_bash" in script.stdout, script.stderr
     completed = wheel_venv.run(qlora, _QLORA_COMPLETE="complete_bash", COMP_WORDS="qlora tr", COMP_CWORD="1")
     assert completed.stdout.split() == ["train"], completed.stderr
+
+
+def test_installs_beside_hugging_face_kernels(wheel_venv, tmp_path):
+    """Hugging Face's `kernels` owns that import name (transformers and bitsandbytes use it); ours is
+    qlora_kernels, so both packages import from one environment and the demo still trains."""
+    wheel_venv.pip("install", "kernels")
+    code = (
+        "from kernels import get_kernel; import kernels, qlora_kernels.linear; "
+        "print(kernels.__file__); print(qlora_kernels.__file__)"
+    )
+    proc = wheel_venv.run(wheel_venv.bin("python"), "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    theirs, ours = (Path(line).parent.name for line in proc.stdout.split())
+    assert (theirs, ours) == ("kernels", "qlora_kernels"), proc.stdout
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    proc = wheel_venv.run(
+        wheel_venv.bin("qlora"),
+        "train",
+        "configs/demo.yaml",
+        "--set",
+        "max_steps=1",
+        "--set",
+        f"output_dir={tmp_path / 'out'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

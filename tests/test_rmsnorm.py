@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rmsnorm import (
+from qlora_kernels.rmsnorm import (
     AddRMSNormFunction,
     RMSNormFunction,
     add_rms_norm,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rope import RopeFunction, apply_rope, rope_reference
+from qlora_kernels.rope import RopeFunction, apply_rope, rope_reference
 
 EPS = 1e-6
 

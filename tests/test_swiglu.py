@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from kernels.swiglu import LoRASwiGLUFunction, lora_swiglu, lora_swiglu_reference, swiglu, swiglu_reference
+from qlora_kernels.swiglu import (
+    LoRASwiGLUFunction,
+    lora_swiglu,
+    lora_swiglu_reference,
+    swiglu,
+    swiglu_reference,
+)
 
 
 def _gate_up(layout: str, intermediate: int, generator: torch.Generator):
@@ -127,7 +133,7 @@ def test_backward_keeps_inputs_only():
 
 def test_deterministic_algorithms_sum_lora_t_grad_in_a_fixed_order(deterministic_algorithms, monkeypatch):
     """Under torch.use_deterministic_algorithms the kernel leaves t's gradient to the GEMMs."""
-    import kernels.swiglu as swiglu_module
+    import qlora_kernels.swiglu as swiglu_module
 
     launches = []
     launcher = swiglu_module._swiglu_backward
