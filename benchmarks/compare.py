@@ -50,6 +50,7 @@ def run_qlora(args, graphs: bool) -> dict:
     from qlora_cli.graphs import GraphedLoss
     from qlora_cli.memory import layers_to_checkpoint
     from qlora_cli.model import LoRAConfig, QLoRAModel
+    from qlora_cli.step import clear_gradients, micro_batch_backward
     from qlora_cli.weights import read_spec
 
     spec = read_spec(args.checkpoint)
@@ -67,13 +68,9 @@ def run_qlora(args, graphs: bool) -> dict:
     graphed = GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size) if graphs else None
 
     def step():
-        if graphed is None:
-            loss_sum, _ = model.loss(ids, labels)
-            (loss_sum / count).backward()
-        else:
-            loss_sum = graphed((ids, labels), 1, 1 / count)
+        loss_sum = micro_batch_backward(model.loss, (ids, labels), 1 / count, graphed)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=graphed is None)
+        clear_gradients(optimizer, graphed)
         return loss_sum / count
 
     return _timed(step, args) | {"load_s": load_s, "recomputed_layers": recompute}

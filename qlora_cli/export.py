@@ -26,7 +26,7 @@ from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import TOKENIZER_FILES, resolve_model
 from qlora_cli.model import QLoRAModel
-from qlora_cli.train import lora_config
+from qlora_cli.settings import lora_config
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 

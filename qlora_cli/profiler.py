@@ -884,7 +884,8 @@ def profile(
 ) -> ProfileReport:
     """Build the run as `qlora train` does, run `warmup` then `steps` timed optimizer steps and
     report per op; nothing is written to output_dir. With trace_path, one more step is traced."""
-    from qlora_cli.train import _optimizer_step, _train_step, build_run
+    from qlora_cli.run import build_run
+    from qlora_cli.step import optimizer_step, train_step
 
     if steps < 1:
         raise QLoraError(f"--steps must be at least 1, got {steps}")
@@ -893,7 +894,7 @@ def profile(
     json_path = _writable(json_path, "--json")
     trace_path = _writable(trace_path, "--trace")
     console = console or Console(stderr=True)
-    run = build_run(config)
+    run = build_run(config, eager=True)
     torch.manual_seed(config.seed)
     dtype = run.model.embed_tokens.dtype
     console.print(
@@ -904,8 +905,8 @@ def profile(
     profiler = OpProfiler(warmup_steps=warmup)
 
     def one_step(step: int) -> None:
-        _train_step(run, step)
-        _optimizer_step(run, step)
+        train_step(run, step)
+        optimizer_step(run, step)
 
     for step in range(warmup + steps):
         with profiler.step(run.device):

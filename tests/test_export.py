@@ -16,7 +16,8 @@ from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.errors import QLoraError
 from qlora_cli.export import export, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
-from qlora_cli.train import compute_dtype, lora_config, train
+from qlora_cli.settings import compute_dtype, lora_config
+from qlora_cli.train import train
 from qlora_cli.weights import read_spec
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 

@@ -9,8 +9,9 @@ from checkpoints import write_run
 
 from qlora_cli.config import load_config
 from qlora_cli.data import BatchPlan
-from qlora_cli.graphs import GraphedLoss
-from qlora_cli.train import build_run, cuda_graph_blocker, train
+from qlora_cli.graphs import GraphedLoss, cuda_graph_blocker
+from qlora_cli.run import build_run
+from qlora_cli.train import train
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

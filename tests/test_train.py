@@ -13,7 +13,8 @@ from checkpoints import subprocess_env, write_run
 from qlora_cli import checkpoint as checkpoint_module
 from qlora_cli.config import load_config
 from qlora_cli.errors import QLoraError, TrainingStopped
-from qlora_cli.train import learning_rate, resume, train
+from qlora_cli.step import learning_rate
+from qlora_cli.train import resume, train
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent

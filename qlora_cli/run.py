@@ -1,0 +1,146 @@
+"""A training run built from a config: the model, its optimizer, the batch plans, the processes.
+
+`qlora train`, `qlora profile` and the tests build a run the same way, through `build_run`, and
+step it through qlora_cli/step.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qlora_cli.config import TrainConfig
+from qlora_cli.data import BatchPlan, load_examples, split_validation
+from qlora_cli.distributed import Distributed
+from qlora_cli.errors import QLoraError
+from qlora_cli.graphs import GraphedLoss, graphed_loss_for
+from qlora_cli.hub import resolve_dataset, resolve_model
+from qlora_cli.memory import layers_to_checkpoint
+from qlora_cli.model import QLoRAModel
+from qlora_cli.settings import compute_dtype, lora_config, select_device
+from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.weights import read_spec
+
+
+@dataclass(kw_only=True)
+class Run:
+    """What a training run is made of, built once from a config."""
+
+    config: TrainConfig
+    device: torch.device
+    model: QLoRAModel
+    optimizer: torch.optim.Optimizer
+    train_plan: BatchPlan
+    eval_plan: BatchPlan | None
+    total_steps: int
+    notes: list[str]
+    dist: Distributed
+    loss_module: torch.nn.Module
+    graphed: GraphedLoss | None = None
+
+    def packed_doc_ids(self, batch):
+        """Document ids matter only in packed rows; a padded single-document row is plain causal."""
+        return batch.doc_ids if self.config.sample_packing else None
+
+
+def _local_dataset(dataset):
+    """A dataset path that is not on disk is a hub dataset repo id."""
+    if Path(dataset.path).exists():
+        return dataset
+    folder = resolve_dataset(dataset.path, dataset.revision)
+    return dataclasses.replace(dataset, path=str(folder))
+
+
+def _check_output_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise QLoraError(f"output_dir {path} exists and is not a folder")
+
+
+def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bool = False) -> Run:
+    """The run a config describes. eager: launch op by op even where CUDA graphs could replay the
+    micro-batches (a profile times ops one by one)."""
+    output_dir = Path(config.output_dir)
+    _check_output_dir(output_dir)
+    dist = dist or Distributed(device=select_device(config.device))
+    device = dist.device
+    dtype = compute_dtype(config, device)
+    folder = resolve_model(config.base_model, config.revision)
+    spec = read_spec(folder)
+    if config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+        )
+    tokenizer = ChatTokenizer.from_folder(folder)
+    notes: list[str] = []
+    examples = []
+    for dataset in config.datasets:
+        loaded = load_examples(_local_dataset(dataset), tokenizer, config.sequence_len)
+        examples.extend(loaded)
+        if loaded.truncated:
+            notes.append(f"{dataset.path}: {loaded.truncated} examples truncated to sequence_len")
+        if loaded.dropped:
+            notes.append(f"{dataset.path}: {loaded.dropped} examples dropped (no trained token left)")
+    train_examples, eval_examples = split_validation(examples, config.val_set_size, config.seed)
+    if not train_examples:
+        raise QLoraError("no training examples are left after the validation split")
+    plan_args = dict(
+        micro_batch_size=config.micro_batch_size,
+        sequence_len=config.sequence_len,
+        sample_packing=config.sample_packing,
+        seed=config.seed,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    train_plan = BatchPlan(train_examples, **plan_args)
+    eval_plan = BatchPlan(eval_examples, **plan_args) if eval_examples else None
+    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
+    tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
+    checkpointed = layers_to_checkpoint(
+        config.gradient_checkpointing,
+        spec,
+        tokens_per_micro_batch,
+        config.memory_budget_gb,
+        config.lora_r,
+        config.lora_dropout,
+    )
+    model = QLoRAModel.from_pretrained(
+        folder,
+        quantize=config.quantize,
+        lora=lora_config(config),
+        device=device,
+        dtype=dtype,
+        attention_backend=config.attention,
+        checkpoint_layers=checkpointed,
+        seed=config.seed,
+    )
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.trainable_parameters(),
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+        fused=device.type == "cuda",
+    )
+    loss_module = dist.wrap(model)
+    graphed = None
+    if not eager:
+        graphed = graphed_loss_for(config, loss_module, device, spec.vocab_size, dist.world_size)
+    return Run(
+        config=config,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        train_plan=train_plan,
+        eval_plan=eval_plan,
+        total_steps=total_steps,
+        notes=notes,
+        dist=dist,
+        loss_module=loss_module,
+        graphed=graphed,
+    )

@@ -1,0 +1,39 @@
+"""What a config means for the model: the device, the compute dtype and the adapter's shape.
+
+Training, profiling and export all derive these from a TrainConfig the same way; keeping them here
+lets export rebuild a run's model without importing the training loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qlora_cli.config import TrainConfig
+from qlora_cli.errors import QLoraError
+from qlora_cli.model import LoRAConfig
+
+
+def select_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QLoraError("config key 'device' is 'cuda' but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    if config.bf16 is True or (config.bf16 == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def lora_config(config: TrainConfig) -> LoRAConfig:
+    """The adapter shape a config asks for."""
+    return LoRAConfig(
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.target_modules),
+        use_rslora=config.peft_use_rslora,
+        train_norms=config.train_norms,
+    )
