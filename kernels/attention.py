@@ -9,10 +9,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import interpreting, use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 
 def _allowed_mask(seq_len: int, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -67,189 +69,57 @@ def attention_sdpa(q, k, v, doc_ids=None, scale=None):
     return out.transpose(1, 2).contiguous()
 
 
-@triton.jit
-def _fwd_block(
-    acc,
-    row_max,
-    row_sum,
-    q,
-    k_base,
-    v_base,
-    stride_ks,
-    stride_vs,
-    offs_m,
-    row_doc_start,
-    start_n,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One key block of the online softmax."""
-    offs_d = tl.arange(0, D_PAD)
-    d_valid = offs_d < HEAD_DIM
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < seq_len
-    kv_mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-    if CAUSAL:
-        allowed = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
-        if HAS_DOCS:
-            allowed = allowed & (offs_n[None, :] >= row_doc_start[:, None])
-        scores = tl.where(allowed, scores, float("-inf"))
-    elif HAS_DOCS:
-        scores = tl.where(offs_n[None, :] >= row_doc_start[:, None], scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    probs = tl.math.exp2(scores - new_max[:, None])
-    correction = tl.math.exp2(row_max - new_max)
-    row_sum = row_sum * correction + tl.sum(probs, axis=1)
-    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-    row_max = new_max
-    return acc, row_max, row_sum
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
+    @triton.jit
+    def _fwd_block(
+        acc,
+        row_max,
+        row_sum,
+        q,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        row_doc_start,
+        start_n,
+        seq_len,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One key block of the online softmax."""
+        offs_d = tl.arange(0, D_PAD)
+        d_valid = offs_d < HEAD_DIM
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < seq_len
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
+        if CAUSAL:
+            allowed = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
+            if HAS_DOCS:
+                allowed = allowed & (offs_n[None, :] >= row_doc_start[:, None])
+            scores = tl.where(allowed, scores, float("-inf"))
+        elif HAS_DOCS:
+            scores = tl.where(offs_n[None, :] >= row_doc_start[:, None], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.math.exp2(scores - new_max[:, None])
+        correction = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        row_max = new_max
+        return acc, row_max, row_sum
 
-@triton.jit
-def _fwd_block_loop(
-    acc,
-    row_max,
-    row_sum,
-    q,
-    k_base,
-    v_base,
-    stride_ks,
-    stride_vs,
-    offs_m,
-    row_doc_start,
-    key_lo,
-    key_hi,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """Online softmax over key blocks [key_lo, key_hi); CAUSAL blocks straddle the diagonal."""
-    if PIPELINED:
-        for start_n in range(key_lo, key_hi, BLOCK_N):
-            acc, row_max, row_sum = _fwd_block(
-                acc,
-                row_max,
-                row_sum,
-                q,
-                k_base,
-                v_base,
-                stride_ks,
-                stride_vs,
-                offs_m,
-                row_doc_start,
-                start_n,
-                seq_len,
-                qk_scale_log2,
-                CAUSAL,
-                HAS_DOCS,
-                HEAD_DIM,
-                D_PAD,
-                BLOCK_N,
-                PRECISION,
-            )
-    else:
-        start_n = key_lo
-        while start_n < key_hi:
-            acc, row_max, row_sum = _fwd_block(
-                acc,
-                row_max,
-                row_sum,
-                q,
-                k_base,
-                v_base,
-                stride_ks,
-                stride_vs,
-                offs_m,
-                row_doc_start,
-                start_n,
-                seq_len,
-                qk_scale_log2,
-                CAUSAL,
-                HAS_DOCS,
-                HEAD_DIM,
-                D_PAD,
-                BLOCK_N,
-                PRECISION,
-            )
-            start_n += BLOCK_N
-    return acc, row_max, row_sum
-
-
-@triton.jit
-def _attention_fwd_kernel(
-    Q,
-    K,
-    V,
-    OUT,
-    LSE,
-    DOC_START,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    seq_len,
-    n_q_heads,
-    qk_scale_log2,
-    GROUP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """One program per (query block, batch x query head); writes O and the base-2 logsumexp."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // n_q_heads
-    head = tl.program_id(1) % n_q_heads
-    kv_head = head // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < seq_len
-    q_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q_base = Q + batch.to(tl.int64) * stride_qb + head * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-
-    if HAS_DOCS:
-        doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
-        row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
-        # Documents are contiguous, so the block's first query has the earliest document start.
-        key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
-    else:
-        row_doc_start = offs_m
-        key_lo = 0
-
-    # A finite start keeps exp2(row_max - new_max) defined while a row has seen only masked keys.
-    row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    acc, row_max, row_sum = _fwd_block_loop(
+    @triton.jit
+    def _fwd_block_loop(
         acc,
         row_max,
         row_sum,
@@ -261,555 +131,540 @@ def _attention_fwd_kernel(
         offs_m,
         row_doc_start,
         key_lo,
-        start_m,
+        key_hi,
         seq_len,
         qk_scale_log2,
-        False,
-        HAS_DOCS,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_N,
-        PRECISION,
-        PIPELINED,
-    )
-    acc, row_max, row_sum = _fwd_block_loop(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        k_base,
-        v_base,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """Online softmax over key blocks [key_lo, key_hi); CAUSAL blocks straddle the diagonal."""
+        if PIPELINED:
+            for start_n in range(key_lo, key_hi, BLOCK_N):
+                acc, row_max, row_sum = _fwd_block(
+                    acc,
+                    row_max,
+                    row_sum,
+                    q,
+                    k_base,
+                    v_base,
+                    stride_ks,
+                    stride_vs,
+                    offs_m,
+                    row_doc_start,
+                    start_n,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_N,
+                    PRECISION,
+                )
+        else:
+            start_n = key_lo
+            while start_n < key_hi:
+                acc, row_max, row_sum = _fwd_block(
+                    acc,
+                    row_max,
+                    row_sum,
+                    q,
+                    k_base,
+                    v_base,
+                    stride_ks,
+                    stride_vs,
+                    offs_m,
+                    row_doc_start,
+                    start_n,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_N,
+                    PRECISION,
+                )
+                start_n += BLOCK_N
+        return acc, row_max, row_sum
+
+    @triton.jit
+    def _attention_fwd_kernel(
+        Q,
+        K,
+        V,
+        OUT,
+        LSE,
+        DOC_START,
+        stride_qb,
+        stride_qs,
+        stride_qh,
+        stride_kb,
         stride_ks,
+        stride_kh,
+        stride_vb,
         stride_vs,
-        offs_m,
-        row_doc_start,
-        tl.maximum(key_lo, start_m),
-        tl.minimum(start_m + BLOCK_M, seq_len),
+        stride_vh,
+        stride_ob,
+        stride_os,
+        stride_oh,
         seq_len,
+        n_q_heads,
         qk_scale_log2,
-        True,
-        HAS_DOCS,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_N,
-        PRECISION,
-        PIPELINED,
-    )
-
-    out = acc / row_sum[:, None]
-    out_base = OUT + batch.to(tl.int64) * stride_ob + head * stride_oh
-    tl.store(
-        out_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask
-    )
-    lse_base = LSE + (batch.to(tl.int64) * n_q_heads + head) * seq_len
-    tl.store(lse_base + offs_m, row_max + tl.math.log2(row_sum), mask=m_valid)
-
-
-@triton.jit
-def _attention_bwd_delta_kernel(
-    OUT,
-    D_OUT,
-    DELTA,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    seq_len,
-    n_q_heads,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """delta = rowsum(dO * O), the softmax-backward term shared by every key of a row."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // n_q_heads
-    head = tl.program_id(1) % n_q_heads
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < seq_len
-    mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    out_base = OUT + batch.to(tl.int64) * stride_ob + head * stride_oh
-    dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
-    out = tl.load(out_base + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
-    dout = tl.load(dout_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), axis=1)
-    tl.store(DELTA + (batch.to(tl.int64) * n_q_heads + head) * seq_len + offs_m, delta, mask=m_valid)
-
-
-@triton.jit
-def _dkdv_block(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    dout_base,
-    lse_base,
-    delta_base,
-    doc_start_base,
-    stride_qs,
-    stride_dos,
-    offs_n,
-    start_m,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One query block's contribution to dK and dV."""
-    offs_d = tl.arange(0, D_PAD)
-    d_valid = offs_d < HEAD_DIM
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < seq_len
-    qt = tl.load(
-        q_base + offs_m[None, :] * stride_qs + offs_d[:, None],
-        mask=m_valid[None, :] & d_valid[:, None],
-        other=0.0,
-    )
-    dout = tl.load(
-        dout_base + offs_m[:, None] * stride_dos + offs_d[None, :],
-        mask=m_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    lse = tl.load(lse_base + offs_m, mask=m_valid, other=0.0)
-    delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
-    probs_t = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale_log2 - lse[None, :])
-    # Rows past the sequence end add nothing even unmasked: their dO and delta load as zero.
-    if CAUSAL or HAS_DOCS:
-        allowed = m_valid[None, :]
-        if CAUSAL:
-            allowed = allowed & (offs_m[None, :] >= offs_n[:, None])
-        if HAS_DOCS:
-            row_doc_start = tl.load(doc_start_base + offs_m, mask=m_valid, other=0)
-            allowed = allowed & (offs_n[:, None] >= row_doc_start[None, :])
-        probs_t = tl.where(allowed, probs_t, 0.0)
-    dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
-    dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
-    dscores_t = probs_t * (dprobs_t - delta[None, :])
-    dk += tl.dot(dscores_t.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_block_loop(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    dout_base,
-    lse_base,
-    delta_base,
-    doc_start_base,
-    stride_qs,
-    stride_dos,
-    offs_n,
-    query_lo,
-    query_hi,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """Accumulate one query head's dK, dV contribution over query blocks [query_lo, query_hi).
-
-    Works on transposed tiles (keys x queries) so both products contract without extra transposes.
-    """
-    if PIPELINED:
-        for start_m in range(query_lo, query_hi, BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                dout_base,
-                lse_base,
-                delta_base,
-                doc_start_base,
-                stride_qs,
-                stride_dos,
-                offs_n,
-                start_m,
-                seq_len,
-                qk_scale_log2,
-                CAUSAL,
-                HAS_DOCS,
-                HEAD_DIM,
-                D_PAD,
-                BLOCK_M,
-                PRECISION,
-            )
-    else:
-        start_m = query_lo
-        while start_m < query_hi:
-            dk, dv = _dkdv_block(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                dout_base,
-                lse_base,
-                delta_base,
-                doc_start_base,
-                stride_qs,
-                stride_dos,
-                offs_n,
-                start_m,
-                seq_len,
-                qk_scale_log2,
-                CAUSAL,
-                HAS_DOCS,
-                HEAD_DIM,
-                D_PAD,
-                BLOCK_M,
-                PRECISION,
-            )
-            start_m += BLOCK_M
-    return dk, dv
-
-
-@triton.jit
-def _attention_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    D_OUT,
-    LSE,
-    DELTA,
-    DOC_START,
-    DOC_END,
-    DK,
-    DV,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    seq_len,
-    n_q_heads,
-    scale,
-    qk_scale_log2,
-    GROUP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """One program per (key block, batch x kv head); loops over the group's query heads, so no atomics."""
-    start_n = tl.program_id(0) * BLOCK_N
-    n_kv_heads = n_q_heads // GROUP
-    batch = tl.program_id(1) // n_kv_heads
-    kv_head = tl.program_id(1) % n_kv_heads
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
-    k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-
-    doc_start_base = DOC_START + batch.to(tl.int64) * seq_len
-    diag_lo = (start_n // BLOCK_M) * BLOCK_M
-    diag_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, seq_len)
-    if HAS_DOCS:
-        # The block's last key ends the latest document, so no later query can see the block.
-        last_key = tl.minimum(start_n + BLOCK_N, seq_len) - 1
-        query_hi = tl.load(DOC_END + batch.to(tl.int64) * seq_len + last_key)
-    else:
-        query_hi = seq_len
-    diag_hi = tl.minimum(diag_hi, query_hi)
-
-    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    for group_index in range(GROUP):
-        head = kv_head * GROUP + group_index
+        GROUP: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """One program per (query block, batch x query head); writes O and the base-2 logsumexp."""
+        start_m = tl.program_id(0) * BLOCK_M
+        batch = tl.program_id(1) // n_q_heads
+        head = tl.program_id(1) % n_q_heads
+        kv_head = head // GROUP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        m_valid = offs_m < seq_len
+        q_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
         q_base = Q + batch.to(tl.int64) * stride_qb + head * stride_qh
-        dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
-        lse_base = LSE + (batch.to(tl.int64) * n_q_heads + head) * seq_len
-        delta_base = DELTA + (batch.to(tl.int64) * n_q_heads + head) * seq_len
-        dk, dv = _dkdv_block_loop(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            dout_base,
-            lse_base,
-            delta_base,
-            doc_start_base,
-            stride_qs,
-            stride_dos,
-            offs_n,
-            diag_lo,
-            diag_hi,
-            seq_len,
-            qk_scale_log2,
-            True,
-            HAS_DOCS,
-            HEAD_DIM,
-            D_PAD,
-            BLOCK_M,
-            PRECISION,
-            PIPELINED,
-        )
-        dk, dv = _dkdv_block_loop(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            dout_base,
-            lse_base,
-            delta_base,
-            doc_start_base,
-            stride_qs,
-            stride_dos,
-            offs_n,
-            diag_hi,
-            query_hi,
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+
+        if HAS_DOCS:
+            doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
+            row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
+            # Documents are contiguous, so the block's first query has the earliest document start.
+            key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
+        else:
+            row_doc_start = offs_m
+            key_lo = 0
+
+        # A finite start keeps exp2(row_max - new_max) defined while a row has seen only masked keys.
+        row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        acc, row_max, row_sum = _fwd_block_loop(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            offs_m,
+            row_doc_start,
+            key_lo,
+            start_m,
             seq_len,
             qk_scale_log2,
             False,
             HAS_DOCS,
             HEAD_DIM,
             D_PAD,
-            BLOCK_M,
+            BLOCK_N,
+            PRECISION,
+            PIPELINED,
+        )
+        acc, row_max, row_sum = _fwd_block_loop(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            offs_m,
+            row_doc_start,
+            tl.maximum(key_lo, start_m),
+            tl.minimum(start_m + BLOCK_M, seq_len),
+            seq_len,
+            qk_scale_log2,
+            True,
+            HAS_DOCS,
+            HEAD_DIM,
+            D_PAD,
+            BLOCK_N,
             PRECISION,
             PIPELINED,
         )
 
-    dk_base = DK + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh
-    dv_base = DV + batch.to(tl.int64) * stride_dvb + kv_head * stride_dvh
-    tl.store(
-        dk_base + offs_n[:, None] * stride_dks + offs_d[None, :],
-        (dk * scale).to(DK.dtype.element_ty),
-        mask=kv_mask,
-    )
-    tl.store(
-        dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask
-    )
+        out = acc / row_sum[:, None]
+        out_base = OUT + batch.to(tl.int64) * stride_ob + head * stride_oh
+        tl.store(
+            out_base + offs_m[:, None] * stride_os + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=q_mask,
+        )
+        lse_base = LSE + (batch.to(tl.int64) * n_q_heads + head) * seq_len
+        tl.store(lse_base + offs_m, row_max + tl.math.log2(row_sum), mask=m_valid)
 
+    @triton.jit
+    def _attention_bwd_delta_kernel(
+        OUT,
+        D_OUT,
+        DELTA,
+        stride_ob,
+        stride_os,
+        stride_oh,
+        stride_dob,
+        stride_dos,
+        stride_doh,
+        seq_len,
+        n_q_heads,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """delta = rowsum(dO * O), the softmax-backward term shared by every key of a row."""
+        start_m = tl.program_id(0) * BLOCK_M
+        batch = tl.program_id(1) // n_q_heads
+        head = tl.program_id(1) % n_q_heads
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        m_valid = offs_m < seq_len
+        mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        out_base = OUT + batch.to(tl.int64) * stride_ob + head * stride_oh
+        dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
+        out = tl.load(out_base + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
+        dout = tl.load(dout_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+        delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), axis=1)
+        tl.store(DELTA + (batch.to(tl.int64) * n_q_heads + head) * seq_len + offs_m, delta, mask=m_valid)
 
-@triton.jit
-def _dq_block(
-    dq,
-    q,
-    dout,
-    lse,
-    delta,
-    k_base,
-    v_base,
-    stride_ks,
-    stride_vs,
-    offs_m,
-    row_doc_start,
-    start_n,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One key block's contribution to dQ."""
-    offs_d = tl.arange(0, D_PAD)
-    d_valid = offs_d < HEAD_DIM
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < seq_len
-    kv_mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-    probs = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2 - lse[:, None])
-    if CAUSAL:
-        allowed = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
+    @triton.jit
+    def _dkdv_block(
+        dk,
+        dv,
+        k,
+        v,
+        q_base,
+        dout_base,
+        lse_base,
+        delta_base,
+        doc_start_base,
+        stride_qs,
+        stride_dos,
+        offs_n,
+        start_m,
+        seq_len,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One query block's contribution to dK and dV."""
+        offs_d = tl.arange(0, D_PAD)
+        d_valid = offs_d < HEAD_DIM
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_valid = offs_m < seq_len
+        qt = tl.load(
+            q_base + offs_m[None, :] * stride_qs + offs_d[:, None],
+            mask=m_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        dout = tl.load(
+            dout_base + offs_m[:, None] * stride_dos + offs_d[None, :],
+            mask=m_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        lse = tl.load(lse_base + offs_m, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=m_valid, other=0.0)
+        probs_t = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale_log2 - lse[None, :])
+        # Rows past the sequence end add nothing even unmasked: their dO and delta load as zero.
+        if CAUSAL or HAS_DOCS:
+            allowed = m_valid[None, :]
+            if CAUSAL:
+                allowed = allowed & (offs_m[None, :] >= offs_n[:, None])
+            if HAS_DOCS:
+                row_doc_start = tl.load(doc_start_base + offs_m, mask=m_valid, other=0)
+                allowed = allowed & (offs_n[:, None] >= row_doc_start[None, :])
+            probs_t = tl.where(allowed, probs_t, 0.0)
+        dv += tl.dot(probs_t.to(dout.dtype), dout, input_precision=PRECISION)
+        dprobs_t = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
+        dscores_t = probs_t * (dprobs_t - delta[None, :])
+        dk += tl.dot(dscores_t.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _dkdv_block_loop(
+        dk,
+        dv,
+        k,
+        v,
+        q_base,
+        dout_base,
+        lse_base,
+        delta_base,
+        doc_start_base,
+        stride_qs,
+        stride_dos,
+        offs_n,
+        query_lo,
+        query_hi,
+        seq_len,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """Accumulate one query head's dK, dV contribution over query blocks [query_lo, query_hi).
+
+        Works on transposed tiles (keys x queries) so both products contract without extra transposes.
+        """
+        if PIPELINED:
+            for start_m in range(query_lo, query_hi, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    dout_base,
+                    lse_base,
+                    delta_base,
+                    doc_start_base,
+                    stride_qs,
+                    stride_dos,
+                    offs_n,
+                    start_m,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_M,
+                    PRECISION,
+                )
+        else:
+            start_m = query_lo
+            while start_m < query_hi:
+                dk, dv = _dkdv_block(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    dout_base,
+                    lse_base,
+                    delta_base,
+                    doc_start_base,
+                    stride_qs,
+                    stride_dos,
+                    offs_n,
+                    start_m,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_M,
+                    PRECISION,
+                )
+                start_m += BLOCK_M
+        return dk, dv
+
+    @triton.jit
+    def _attention_bwd_dkdv_kernel(
+        Q,
+        K,
+        V,
+        D_OUT,
+        LSE,
+        DELTA,
+        DOC_START,
+        DOC_END,
+        DK,
+        DV,
+        stride_qb,
+        stride_qs,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_dob,
+        stride_dos,
+        stride_doh,
+        stride_dkb,
+        stride_dks,
+        stride_dkh,
+        stride_dvb,
+        stride_dvs,
+        stride_dvh,
+        seq_len,
+        n_q_heads,
+        scale,
+        qk_scale_log2,
+        GROUP: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """One program per (key block, batch x kv head); loops over the group's query heads, so no atomics."""
+        start_n = tl.program_id(0) * BLOCK_N
+        n_kv_heads = n_q_heads // GROUP
+        batch = tl.program_id(1) // n_kv_heads
+        kv_head = tl.program_id(1) % n_kv_heads
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        kv_mask = (offs_n[:, None] < seq_len) & (offs_d[None, :] < HEAD_DIM)
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        doc_start_base = DOC_START + batch.to(tl.int64) * seq_len
+        diag_lo = (start_n // BLOCK_M) * BLOCK_M
+        diag_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, seq_len)
         if HAS_DOCS:
-            allowed = allowed & (offs_n[None, :] >= row_doc_start[:, None])
-        probs = tl.where(allowed, probs, 0.0)
-    elif HAS_DOCS:
-        probs = tl.where(offs_n[None, :] >= row_doc_start[:, None], probs, 0.0)
-    dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
-    dscores = probs * (dprobs - delta[:, None])
-    dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
-    return dq
+            # The block's last key ends the latest document, so no later query can see the block.
+            last_key = tl.minimum(start_n + BLOCK_N, seq_len) - 1
+            query_hi = tl.load(DOC_END + batch.to(tl.int64) * seq_len + last_key)
+        else:
+            query_hi = seq_len
+        diag_hi = tl.minimum(diag_hi, query_hi)
 
-
-@triton.jit
-def _dq_block_loop(
-    dq,
-    q,
-    dout,
-    lse,
-    delta,
-    k_base,
-    v_base,
-    stride_ks,
-    stride_vs,
-    offs_m,
-    row_doc_start,
-    key_lo,
-    key_hi,
-    seq_len,
-    qk_scale_log2,
-    CAUSAL: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """Accumulate dQ of one query block over key blocks [key_lo, key_hi)."""
-    if PIPELINED:
-        for start_n in range(key_lo, key_hi, BLOCK_N):
-            dq = _dq_block(
-                dq,
-                q,
-                dout,
-                lse,
-                delta,
-                k_base,
-                v_base,
-                stride_ks,
-                stride_vs,
-                offs_m,
-                row_doc_start,
-                start_n,
+        dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+        for group_index in range(GROUP):
+            head = kv_head * GROUP + group_index
+            q_base = Q + batch.to(tl.int64) * stride_qb + head * stride_qh
+            dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
+            lse_base = LSE + (batch.to(tl.int64) * n_q_heads + head) * seq_len
+            delta_base = DELTA + (batch.to(tl.int64) * n_q_heads + head) * seq_len
+            dk, dv = _dkdv_block_loop(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                dout_base,
+                lse_base,
+                delta_base,
+                doc_start_base,
+                stride_qs,
+                stride_dos,
+                offs_n,
+                diag_lo,
+                diag_hi,
                 seq_len,
                 qk_scale_log2,
-                CAUSAL,
+                True,
                 HAS_DOCS,
                 HEAD_DIM,
                 D_PAD,
-                BLOCK_N,
+                BLOCK_M,
                 PRECISION,
+                PIPELINED,
             )
-    else:
-        start_n = key_lo
-        while start_n < key_hi:
-            dq = _dq_block(
-                dq,
-                q,
-                dout,
-                lse,
-                delta,
-                k_base,
-                v_base,
-                stride_ks,
-                stride_vs,
-                offs_m,
-                row_doc_start,
-                start_n,
+            dk, dv = _dkdv_block_loop(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                dout_base,
+                lse_base,
+                delta_base,
+                doc_start_base,
+                stride_qs,
+                stride_dos,
+                offs_n,
+                diag_hi,
+                query_hi,
                 seq_len,
                 qk_scale_log2,
-                CAUSAL,
+                False,
                 HAS_DOCS,
                 HEAD_DIM,
                 D_PAD,
-                BLOCK_N,
+                BLOCK_M,
                 PRECISION,
+                PIPELINED,
             )
-            start_n += BLOCK_N
-    return dq
 
+        dk_base = DK + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh
+        dv_base = DV + batch.to(tl.int64) * stride_dvb + kv_head * stride_dvh
+        tl.store(
+            dk_base + offs_n[:, None] * stride_dks + offs_d[None, :],
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=kv_mask,
+        )
+        tl.store(
+            dv_base + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask
+        )
 
-@triton.jit
-def _attention_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    D_OUT,
-    LSE,
-    DELTA,
-    DOC_START,
-    DQ,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
-    seq_len,
-    n_q_heads,
-    scale,
-    qk_scale_log2,
-    GROUP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PIPELINED: tl.constexpr,
-):
-    """One program per (query block, batch x query head), walking the same key range as the forward."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // n_q_heads
-    head = tl.program_id(1) % n_q_heads
-    kv_head = head // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < seq_len
-    q_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q_base = Q + batch.to(tl.int64) * stride_qb + head * stride_qh
-    dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-    dout = tl.load(dout_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-    row_offset = (batch.to(tl.int64) * n_q_heads + head) * seq_len
-    lse = tl.load(LSE + row_offset + offs_m, mask=m_valid, other=0.0)
-    delta = tl.load(DELTA + row_offset + offs_m, mask=m_valid, other=0.0)
+    @triton.jit
+    def _dq_block(
+        dq,
+        q,
+        dout,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        row_doc_start,
+        start_n,
+        seq_len,
+        qk_scale_log2,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One key block's contribution to dQ."""
+        offs_d = tl.arange(0, D_PAD)
+        d_valid = offs_d < HEAD_DIM
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < seq_len
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        probs = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2 - lse[:, None])
+        if CAUSAL:
+            allowed = (offs_n[None, :] <= offs_m[:, None]) & n_valid[None, :]
+            if HAS_DOCS:
+                allowed = allowed & (offs_n[None, :] >= row_doc_start[:, None])
+            probs = tl.where(allowed, probs, 0.0)
+        elif HAS_DOCS:
+            probs = tl.where(offs_n[None, :] >= row_doc_start[:, None], probs, 0.0)
+        dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
+        dscores = probs * (dprobs - delta[:, None])
+        dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
+        return dq
 
-    if HAS_DOCS:
-        doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
-        row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
-        key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
-    else:
-        row_doc_start = offs_m
-        key_lo = 0
-
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    dq = _dq_block_loop(
+    @triton.jit
+    def _dq_block_loop(
         dq,
         q,
         dout,
@@ -822,47 +677,190 @@ def _attention_bwd_dq_kernel(
         offs_m,
         row_doc_start,
         key_lo,
-        start_m,
+        key_hi,
         seq_len,
         qk_scale_log2,
-        False,
-        HAS_DOCS,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_N,
-        PRECISION,
-        PIPELINED,
-    )
-    dq = _dq_block_loop(
-        dq,
-        q,
-        dout,
-        lse,
-        delta,
-        k_base,
-        v_base,
+        CAUSAL: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """Accumulate dQ of one query block over key blocks [key_lo, key_hi)."""
+        if PIPELINED:
+            for start_n in range(key_lo, key_hi, BLOCK_N):
+                dq = _dq_block(
+                    dq,
+                    q,
+                    dout,
+                    lse,
+                    delta,
+                    k_base,
+                    v_base,
+                    stride_ks,
+                    stride_vs,
+                    offs_m,
+                    row_doc_start,
+                    start_n,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_N,
+                    PRECISION,
+                )
+        else:
+            start_n = key_lo
+            while start_n < key_hi:
+                dq = _dq_block(
+                    dq,
+                    q,
+                    dout,
+                    lse,
+                    delta,
+                    k_base,
+                    v_base,
+                    stride_ks,
+                    stride_vs,
+                    offs_m,
+                    row_doc_start,
+                    start_n,
+                    seq_len,
+                    qk_scale_log2,
+                    CAUSAL,
+                    HAS_DOCS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_N,
+                    PRECISION,
+                )
+                start_n += BLOCK_N
+        return dq
+
+    @triton.jit
+    def _attention_bwd_dq_kernel(
+        Q,
+        K,
+        V,
+        D_OUT,
+        LSE,
+        DELTA,
+        DOC_START,
+        DQ,
+        stride_qb,
+        stride_qs,
+        stride_qh,
+        stride_kb,
         stride_ks,
+        stride_kh,
+        stride_vb,
         stride_vs,
-        offs_m,
-        row_doc_start,
-        tl.maximum(key_lo, start_m),
-        tl.minimum(start_m + BLOCK_M, seq_len),
+        stride_vh,
+        stride_dob,
+        stride_dos,
+        stride_doh,
+        stride_dqb,
+        stride_dqs,
+        stride_dqh,
         seq_len,
+        n_q_heads,
+        scale,
         qk_scale_log2,
-        True,
-        HAS_DOCS,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_N,
-        PRECISION,
-        PIPELINED,
-    )
-    dq_base = DQ + batch.to(tl.int64) * stride_dqb + head * stride_dqh
-    tl.store(
-        dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=q_mask,
-    )
+        GROUP: tl.constexpr,
+        HAS_DOCS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """One program per (query block, batch x query head), walking the same key range as the forward."""
+        start_m = tl.program_id(0) * BLOCK_M
+        batch = tl.program_id(1) // n_q_heads
+        head = tl.program_id(1) % n_q_heads
+        kv_head = head // GROUP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        m_valid = offs_m < seq_len
+        q_mask = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        q_base = Q + batch.to(tl.int64) * stride_qb + head * stride_qh
+        dout_base = D_OUT + batch.to(tl.int64) * stride_dob + head * stride_doh
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+        dout = tl.load(dout_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+        row_offset = (batch.to(tl.int64) * n_q_heads + head) * seq_len
+        lse = tl.load(LSE + row_offset + offs_m, mask=m_valid, other=0.0)
+        delta = tl.load(DELTA + row_offset + offs_m, mask=m_valid, other=0.0)
+
+        if HAS_DOCS:
+            doc_start_row = DOC_START + batch.to(tl.int64) * seq_len
+            row_doc_start = tl.load(doc_start_row + offs_m, mask=m_valid, other=0)
+            key_lo = (tl.load(doc_start_row + start_m) // BLOCK_N) * BLOCK_N
+        else:
+            row_doc_start = offs_m
+            key_lo = 0
+
+        dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        dq = _dq_block_loop(
+            dq,
+            q,
+            dout,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            offs_m,
+            row_doc_start,
+            key_lo,
+            start_m,
+            seq_len,
+            qk_scale_log2,
+            False,
+            HAS_DOCS,
+            HEAD_DIM,
+            D_PAD,
+            BLOCK_N,
+            PRECISION,
+            PIPELINED,
+        )
+        dq = _dq_block_loop(
+            dq,
+            q,
+            dout,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            offs_m,
+            row_doc_start,
+            tl.maximum(key_lo, start_m),
+            tl.minimum(start_m + BLOCK_M, seq_len),
+            seq_len,
+            qk_scale_log2,
+            True,
+            HAS_DOCS,
+            HEAD_DIM,
+            D_PAD,
+            BLOCK_N,
+            PRECISION,
+            PIPELINED,
+        )
+        dq_base = DQ + batch.to(tl.int64) * stride_dqb + head * stride_dqh
+        tl.store(
+            dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :],
+            (dq * scale).to(DQ.dtype.element_ty),
+            mask=q_mask,
+        )
 
 
 _LOG2_E = 1.4426950408889634

@@ -12,10 +12,12 @@ them); the GEMMs accumulate in fp32, and the logsumexp, loss and softmax math ru
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 BLOCK_V = 4096
@@ -30,50 +32,53 @@ def linear_cross_entropy_reference(
     return loss_sum, (labels != ignore_index).sum()
 
 
-@triton.jit
-def _cross_entropy_rows_kernel(
-    logits_ptr,
-    labels_ptr,
-    row_loss_ptr,
-    stride_row,
-    ignore_index,
-    N_VOCAB: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-):
-    """One program per row: online logsumexp over the vocabulary, then softmax - onehot in place.
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
-    The vocabulary size is a compile-time constant: it is fixed per model, and Triton's interpreter
-    cannot loop to a runtime bound under numpy 2.4.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    label = tl.load(labels_ptr + row)
-    offsets = tl.arange(0, BLOCK_V)
+    @triton.jit
+    def _cross_entropy_rows_kernel(
+        logits_ptr,
+        labels_ptr,
+        row_loss_ptr,
+        stride_row,
+        ignore_index,
+        N_VOCAB: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        WRITE_GRAD: tl.constexpr,
+    ):
+        """One program per row: online logsumexp over the vocabulary, then softmax - onehot in place.
 
-    running_max = float("-inf")
-    running_sum = 0.0
-    label_logit = 0.0
-    for start in range(0, N_VOCAB, BLOCK_V):
-        cols = start + offsets
-        x = tl.load(row_ptr + cols, mask=cols < N_VOCAB, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
-        label_logit += tl.sum(tl.where(cols == label, x, 0.0), axis=0)
-    logsumexp = running_max + tl.log(running_sum)
+        The vocabulary size is a compile-time constant: it is fixed per model, and Triton's interpreter
+        cannot loop to a runtime bound under numpy 2.4.
+        """
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * stride_row
+        label = tl.load(labels_ptr + row)
+        offsets = tl.arange(0, BLOCK_V)
 
-    trained = label != ignore_index
-    tl.store(row_loss_ptr + row, tl.where(trained, logsumexp - label_logit, 0.0))
-
-    if WRITE_GRAD:
-        keep = trained.to(tl.float32)
+        running_max = float("-inf")
+        running_sum = 0.0
+        label_logit = 0.0
         for start in range(0, N_VOCAB, BLOCK_V):
             cols = start + offsets
-            in_vocab = cols < N_VOCAB
-            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-            grad = (tl.exp(x - logsumexp) - tl.where(cols == label, 1.0, 0.0)) * keep
-            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_vocab)
+            x = tl.load(row_ptr + cols, mask=cols < N_VOCAB, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+            label_logit += tl.sum(tl.where(cols == label, x, 0.0), axis=0)
+        logsumexp = running_max + tl.log(running_sum)
+
+        trained = label != ignore_index
+        tl.store(row_loss_ptr + row, tl.where(trained, logsumexp - label_logit, 0.0))
+
+        if WRITE_GRAD:
+            keep = trained.to(tl.float32)
+            for start in range(0, N_VOCAB, BLOCK_V):
+                cols = start + offsets
+                in_vocab = cols < N_VOCAB
+                x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+                grad = (tl.exp(x - logsumexp) - tl.where(cols == label, 1.0, 0.0)) * keep
+                tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
 def _check_inputs(

@@ -20,10 +20,12 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
@@ -291,79 +293,82 @@ def dequantize_nf4_reference(weight: NF4Weight) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit
-def _quantize_nf4_kernel(
-    weight_ptr,
-    midpoints_ptr,
-    packed_ptr,
-    absmax_ptr,
-    numel,
-    BLOCKSIZE: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
-):
-    """One row of the tile is one quantization block: absmax, nearest code, two codes a byte."""
-    blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    values = tl.load(weight_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(values), axis=1)
-    block_mask = blocks * BLOCKSIZE < numel
-    tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
-    reciprocal = tl.math.div_rn(1.0, tl.where(block_mask, absmax, 1.0))
-    scaled = values * reciprocal[:, None]
-    codes = tl.zeros([BLOCKS_PER_PROGRAM, BLOCKSIZE], dtype=tl.int32)
-    for i in tl.static_range(15):
-        codes += (scaled > tl.load(midpoints_ptr + i)).to(tl.int32)
-    high, low = tl.split(tl.reshape(codes, (BLOCKS_PER_PROGRAM, BLOCKSIZE // 2, 2)))
-    packed = ((high << 4) | low).to(tl.uint8)
-    byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
-    tl.store(packed_ptr + byte_offsets, packed, mask=byte_offsets < (numel + 1) // 2)
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
+    @triton.jit
+    def _quantize_nf4_kernel(
+        weight_ptr,
+        midpoints_ptr,
+        packed_ptr,
+        absmax_ptr,
+        numel,
+        BLOCKSIZE: tl.constexpr,
+        BLOCKS_PER_PROGRAM: tl.constexpr,
+    ):
+        """One row of the tile is one quantization block: absmax, nearest code, two codes a byte."""
+        blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+        offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+        values = tl.load(weight_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+        absmax = tl.max(tl.abs(values), axis=1)
+        block_mask = blocks * BLOCKSIZE < numel
+        tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
+        reciprocal = tl.math.div_rn(1.0, tl.where(block_mask, absmax, 1.0))
+        scaled = values * reciprocal[:, None]
+        codes = tl.zeros([BLOCKS_PER_PROGRAM, BLOCKSIZE], dtype=tl.int32)
+        for i in tl.static_range(15):
+            codes += (scaled > tl.load(midpoints_ptr + i)).to(tl.int32)
+        high, low = tl.split(tl.reshape(codes, (BLOCKS_PER_PROGRAM, BLOCKSIZE // 2, 2)))
+        packed = ((high << 4) | low).to(tl.uint8)
+        byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
+        tl.store(packed_ptr + byte_offsets, packed, mask=byte_offsets < (numel + 1) // 2)
 
-@triton.jit
-def _dequantize_nf4_kernel(
-    packed_ptr,
-    absmax_ptr,
-    nested_absmax_ptr,
-    code_ptr,
-    dynamic_map_ptr,
-    out_ptr,
-    offset,
-    numel,
-    row_length,
-    row_stride,
-    BLOCKSIZE: tl.constexpr,
-    NESTED_BLOCKSIZE: tl.constexpr,
-    DOUBLE_QUANT: tl.constexpr,
-    STRIDED_ROWS: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
-):
-    """One row of the tile is one quantization block; its absmax is rebuilt once per row.
+    @triton.jit
+    def _dequantize_nf4_kernel(
+        packed_ptr,
+        absmax_ptr,
+        nested_absmax_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        out_ptr,
+        offset,
+        numel,
+        row_length,
+        row_stride,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        STRIDED_ROWS: tl.constexpr,
+        BLOCKS_PER_PROGRAM: tl.constexpr,
+    ):
+        """One row of the tile is one quantization block; its absmax is rebuilt once per row.
 
-    With STRIDED_ROWS the weight's rows land `row_stride` apart (rows of a wider matrix); the
-    launcher guarantees that no block straddles two rows.
-    """
-    blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    block_mask = blocks * BLOCKSIZE < numel
-    if DOUBLE_QUANT:
-        absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
-        nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
-        absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-    else:
-        absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
-    byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
-    packed = tl.load(packed_ptr + byte_offsets, mask=byte_offsets < (numel + 1) // 2, other=0).to(tl.int32)
-    high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
-    low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
-    values = tl.interleave(high, low)
-    offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    if STRIDED_ROWS:
-        first = blocks * BLOCKSIZE
-        row = first // row_length
-        row_start = row * row_stride + first - row * row_length
-        destinations = row_start[:, None] + tl.arange(0, BLOCKSIZE)[None, :]
-    else:
-        destinations = offsets
-    tl.store(out_ptr + destinations, values.to(out_ptr.dtype.element_ty), mask=offsets < numel)
+        With STRIDED_ROWS the weight's rows land `row_stride` apart (rows of a wider matrix); the
+        launcher guarantees that no block straddles two rows.
+        """
+        blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+        block_mask = blocks * BLOCKSIZE < numel
+        if DOUBLE_QUANT:
+            absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
+            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
+            absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
+        else:
+            absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
+        byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
+        byte_mask = byte_offsets < (numel + 1) // 2
+        packed = tl.load(packed_ptr + byte_offsets, mask=byte_mask, other=0).to(tl.int32)
+        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
+        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
+        values = tl.interleave(high, low)
+        offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+        if STRIDED_ROWS:
+            first = blocks * BLOCKSIZE
+            row = first // row_length
+            row_start = row * row_stride + first - row * row_length
+            destinations = row_start[:, None] + tl.arange(0, BLOCKSIZE)[None, :]
+        else:
+            destinations = offsets
+        tl.store(out_ptr + destinations, values.to(out_ptr.dtype.element_ty), mask=offsets < numel)
 
 
 # ----------------------------------------------------------------------------- launchers

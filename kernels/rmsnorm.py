@@ -5,10 +5,12 @@ and saves only the (summed) input and one fp32 inverse RMS per row for backward.
 """
 
 import torch
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -34,81 +36,83 @@ def add_rms_norm_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _rms_norm_fwd_kernel(
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    y_ptr,
-    summed_ptr,
-    rstd_ptr,
-    x_row_stride,
-    residual_row_stride,
-    n_cols,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
-        # Round the sum to the residual stream's dtype first, so the norm sees what is stored.
-        summed = (x + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
-        tl.store(summed_ptr + row * n_cols + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd) * weight
-    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr,
+        residual_ptr,
+        weight_ptr,
+        y_ptr,
+        summed_ptr,
+        rstd_ptr,
+        x_row_stride,
+        residual_row_stride,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+            # Round the sum to the residual stream's dtype first, so the norm sees what is stored.
+            summed = (x + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+            tl.store(summed_ptr + row * n_cols + cols, summed, mask=mask)
+            x = summed.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x * rstd) * weight
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-@triton.jit
-def _rms_norm_bwd_kernel(
-    dy_ptr,
-    dsummed_ptr,
-    x_ptr,
-    weight_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dweight_partial_ptr,
-    dy_row_stride,
-    dsummed_row_stride,
-    n_rows,
-    n_cols,
-    HAS_DSUMMED: tl.constexpr,
-    COMPUTE_DWEIGHT: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program walks a block of rows, keeping its share of dW in registers."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dweight = tl.zeros([BLOCK], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
-    for i in range(ROWS_PER_PROGRAM):
-        row = row_start + i
-        row_mask = cols < tl.where(row < n_rows, n_cols, 0)
-        offsets = row * n_cols + cols
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
-        x_hat = x * rstd
-        dy_w = dy * weight
-        dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
-        if HAS_DSUMMED:
-            dsummed = tl.load(dsummed_ptr + row * dsummed_row_stride + cols, mask=row_mask, other=0.0)
-            dx += dsummed.to(tl.float32)
-        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+    @triton.jit
+    def _rms_norm_bwd_kernel(
+        dy_ptr,
+        dsummed_ptr,
+        x_ptr,
+        weight_ptr,
+        rstd_ptr,
+        dx_ptr,
+        dweight_partial_ptr,
+        dy_row_stride,
+        dsummed_row_stride,
+        n_rows,
+        n_cols,
+        HAS_DSUMMED: tl.constexpr,
+        COMPUTE_DWEIGHT: tl.constexpr,
+        ROWS_PER_PROGRAM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """One program walks a block of rows, keeping its share of dW in registers."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dweight = tl.zeros([BLOCK], dtype=tl.float32)
+        row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
+        for i in range(ROWS_PER_PROGRAM):
+            row = row_start + i
+            row_mask = cols < tl.where(row < n_rows, n_cols, 0)
+            offsets = row * n_cols + cols
+            dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+            x_hat = x * rstd
+            dy_w = dy * weight
+            dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
+            if HAS_DSUMMED:
+                dsummed = tl.load(dsummed_ptr + row * dsummed_row_stride + cols, mask=row_mask, other=0.0)
+                dx += dsummed.to(tl.float32)
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+            if COMPUTE_DWEIGHT:
+                dweight += dy * x_hat
         if COMPUTE_DWEIGHT:
-            dweight += dy * x_hat
-    if COMPUTE_DWEIGHT:
-        tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=mask)
+            tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ gradient by the negative angle, so nothing but the inputs (only when QK-norm is 
 """
 
 import torch
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 from qlora_kernels.rmsnorm import rms_norm_reference
 
 # ---------------------------------------------------------------------------------------------
@@ -48,246 +50,248 @@ def rope_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _rope_heads_fwd(
-    x_ptr,
-    out_ptr,
-    weight_ptr,
-    head_stride,
-    n_heads,
-    cos,
-    sin,
-    eps,
-    NORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """All heads of one token, as [heads, first half] and [heads, second half] tiles."""
-    half: tl.constexpr = HEAD_DIM // 2
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < n_heads) & (dims < half)
-    x_ptrs = x_ptr + heads * head_stride + dims
-    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
-        x1 = (x1 * rstd[:, None]) * w1
-        x2 = (x2 * rstd[:, None]) * w2
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
-    out_ptrs = out_ptr + heads * HEAD_DIM + dims
-    tl.store(out_ptrs, out1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptrs + half, out2.to(out_ptr.dtype.element_ty), mask=mask)
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
-
-@triton.jit
-def _rope_heads_bwd(
-    dout_ptr,
-    x_ptr,
-    dx_ptr,
-    weight_ptr,
-    dweight_partial_ptr,
-    dout_head_stride,
-    x_head_stride,
-    n_heads,
-    cos,
-    sin,
-    eps,
-    NORM: tl.constexpr,
-    COMPUTE_DWEIGHT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """Rotate the gradient back by -angle, then (with QK-norm) through the per-head RMSNorm."""
-    half: tl.constexpr = HEAD_DIM // 2
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < n_heads) & (dims < half)
-    dout_ptrs = dout_ptr + heads * dout_head_stride + dims
-    dout1 = tl.load(dout_ptrs, mask=mask, other=0.0).to(tl.float32)
-    dout2 = tl.load(dout_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    grad1 = dout1 * cos + dout2 * sin
-    grad2 = dout2 * cos - dout1 * sin
-    if NORM:
-        x_ptrs = x_ptr + heads * x_head_stride + dims
+    @triton.jit
+    def _rope_heads_fwd(
+        x_ptr,
+        out_ptr,
+        weight_ptr,
+        head_stride,
+        n_heads,
+        cos,
+        sin,
+        eps,
+        NORM: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        """All heads of one token, as [heads, first half] and [heads, second half] tiles."""
+        half: tl.constexpr = HEAD_DIM // 2
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        dims = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (heads < n_heads) & (dims < half)
+        x_ptrs = x_ptr + heads * head_stride + dims
         x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-        rstd = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps))[:, None]
-        x1_hat = x1 * rstd
-        x2_hat = x2 * rstd
-        if COMPUTE_DWEIGHT:
-            dim_offsets = tl.arange(0, BLOCK_HALF)
-            dim_mask = dim_offsets < half
-            tl.store(dweight_partial_ptr + dim_offsets, tl.sum(grad1 * x1_hat, axis=0), mask=dim_mask)
-            tl.store(dweight_partial_ptr + half + dim_offsets, tl.sum(grad2 * x2_hat, axis=0), mask=dim_mask)
-        w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
-        grad1 = grad1 * w1
-        grad2 = grad2 * w2
-        mean_dot = (tl.sum(grad1 * x1_hat, axis=1) + tl.sum(grad2 * x2_hat, axis=1)) / HEAD_DIM
-        grad1 = rstd * (grad1 - x1_hat * mean_dot[:, None])
-        grad2 = rstd * (grad2 - x2_hat * mean_dot[:, None])
-    dx_ptrs = dx_ptr + heads * HEAD_DIM + dims
-    tl.store(dx_ptrs, grad1.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptrs + half, grad2.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NORM:
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+            w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+            w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+            x1 = (x1 * rstd[:, None]) * w1
+            x2 = (x2 * rstd[:, None]) * w2
+        out1 = x1 * cos - x2 * sin
+        out2 = x2 * cos + x1 * sin
+        out_ptrs = out_ptr + heads * HEAD_DIM + dims
+        tl.store(out_ptrs, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + half, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
-
-@triton.jit
-def _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """cos and sin of position * inv_freq for one token, as [1, BLOCK_HALF] rows (fp32 as HF)."""
-    dims = tl.arange(0, BLOCK_HALF)
-    inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HEAD_DIM // 2, other=0.0)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
-    return tl.cos(angle)[None, :], tl.sin(angle)[None, :]
-
-
-@triton.jit
-def _rope_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    positions_ptr,
-    inv_freq_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    seq_len,
-    q_stride_b,
-    q_stride_s,
-    q_stride_h,
-    k_stride_b,
-    k_stride_s,
-    k_stride_h,
-    n_q_heads,
-    n_k_heads,
-    eps,
-    Q_NORM: tl.constexpr,
-    K_NORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_Q_HEADS: tl.constexpr,
-    BLOCK_K_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """One program per token: every Q head and every K head share its cos/sin."""
-    token = tl.program_id(0).to(tl.int64)
-    batch = token // seq_len
-    pos = token % seq_len
-    cos, sin = _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM, BLOCK_HALF)
-    _rope_heads_fwd(
-        q_ptr + batch * q_stride_b + pos * q_stride_s,
-        q_out_ptr + token * n_q_heads * HEAD_DIM,
-        q_weight_ptr,
-        q_stride_h,
-        n_q_heads,
+    @triton.jit
+    def _rope_heads_bwd(
+        dout_ptr,
+        x_ptr,
+        dx_ptr,
+        weight_ptr,
+        dweight_partial_ptr,
+        dout_head_stride,
+        x_head_stride,
+        n_heads,
         cos,
         sin,
         eps,
-        Q_NORM,
-        HEAD_DIM,
-        BLOCK_Q_HEADS,
-        BLOCK_HALF,
-    )
-    _rope_heads_fwd(
-        k_ptr + batch * k_stride_b + pos * k_stride_s,
-        k_out_ptr + token * n_k_heads * HEAD_DIM,
+        NORM: tl.constexpr,
+        COMPUTE_DWEIGHT: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        """Rotate the gradient back by -angle, then (with QK-norm) through the per-head RMSNorm."""
+        half: tl.constexpr = HEAD_DIM // 2
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        dims = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (heads < n_heads) & (dims < half)
+        dout_ptrs = dout_ptr + heads * dout_head_stride + dims
+        dout1 = tl.load(dout_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dout2 = tl.load(dout_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+        grad1 = dout1 * cos + dout2 * sin
+        grad2 = dout2 * cos - dout1 * sin
+        if NORM:
+            x_ptrs = x_ptr + heads * x_head_stride + dims
+            x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+            sum_squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            rstd = (1.0 / tl.sqrt(sum_squares / HEAD_DIM + eps))[:, None]
+            x1_hat = x1 * rstd
+            x2_hat = x2 * rstd
+            if COMPUTE_DWEIGHT:
+                dim_offsets = tl.arange(0, BLOCK_HALF)
+                dim_mask = dim_offsets < half
+                tl.store(dweight_partial_ptr + dim_offsets, tl.sum(grad1 * x1_hat, axis=0), mask=dim_mask)
+                tl.store(
+                    dweight_partial_ptr + half + dim_offsets, tl.sum(grad2 * x2_hat, axis=0), mask=dim_mask
+                )
+            w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+            w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+            grad1 = grad1 * w1
+            grad2 = grad2 * w2
+            mean_dot = (tl.sum(grad1 * x1_hat, axis=1) + tl.sum(grad2 * x2_hat, axis=1)) / HEAD_DIM
+            grad1 = rstd * (grad1 - x1_hat * mean_dot[:, None])
+            grad2 = rstd * (grad2 - x2_hat * mean_dot[:, None])
+        dx_ptrs = dx_ptr + heads * HEAD_DIM + dims
+        tl.store(dx_ptrs, grad1.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptrs + half, grad2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        """cos and sin of position * inv_freq for one token, as [1, BLOCK_HALF] rows (fp32 as HF)."""
+        dims = tl.arange(0, BLOCK_HALF)
+        inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HEAD_DIM // 2, other=0.0)
+        angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
+        return tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+
+    @triton.jit
+    def _rope_fwd_kernel(
+        q_ptr,
+        k_ptr,
+        q_out_ptr,
+        k_out_ptr,
+        positions_ptr,
+        inv_freq_ptr,
+        q_weight_ptr,
         k_weight_ptr,
+        seq_len,
+        q_stride_b,
+        q_stride_s,
+        q_stride_h,
+        k_stride_b,
+        k_stride_s,
         k_stride_h,
+        n_q_heads,
         n_k_heads,
-        cos,
-        sin,
         eps,
-        K_NORM,
-        HEAD_DIM,
-        BLOCK_K_HEADS,
-        BLOCK_HALF,
-    )
+        Q_NORM: tl.constexpr,
+        K_NORM: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_Q_HEADS: tl.constexpr,
+        BLOCK_K_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        """One program per token: every Q head and every K head share its cos/sin."""
+        token = tl.program_id(0).to(tl.int64)
+        batch = token // seq_len
+        pos = token % seq_len
+        cos, sin = _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM, BLOCK_HALF)
+        _rope_heads_fwd(
+            q_ptr + batch * q_stride_b + pos * q_stride_s,
+            q_out_ptr + token * n_q_heads * HEAD_DIM,
+            q_weight_ptr,
+            q_stride_h,
+            n_q_heads,
+            cos,
+            sin,
+            eps,
+            Q_NORM,
+            HEAD_DIM,
+            BLOCK_Q_HEADS,
+            BLOCK_HALF,
+        )
+        _rope_heads_fwd(
+            k_ptr + batch * k_stride_b + pos * k_stride_s,
+            k_out_ptr + token * n_k_heads * HEAD_DIM,
+            k_weight_ptr,
+            k_stride_h,
+            n_k_heads,
+            cos,
+            sin,
+            eps,
+            K_NORM,
+            HEAD_DIM,
+            BLOCK_K_HEADS,
+            BLOCK_HALF,
+        )
 
-
-@triton.jit
-def _rope_bwd_kernel(
-    dq_out_ptr,
-    dk_out_ptr,
-    q_ptr,
-    k_ptr,
-    dq_ptr,
-    dk_ptr,
-    positions_ptr,
-    inv_freq_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    dq_weight_partial_ptr,
-    dk_weight_partial_ptr,
-    seq_len,
-    dq_out_stride_b,
-    dq_out_stride_s,
-    dq_out_stride_h,
-    dk_out_stride_b,
-    dk_out_stride_s,
-    dk_out_stride_h,
-    q_stride_b,
-    q_stride_s,
-    q_stride_h,
-    k_stride_b,
-    k_stride_s,
-    k_stride_h,
-    n_q_heads,
-    n_k_heads,
-    eps,
-    Q_NORM: tl.constexpr,
-    K_NORM: tl.constexpr,
-    Q_DWEIGHT: tl.constexpr,
-    K_DWEIGHT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_Q_HEADS: tl.constexpr,
-    BLOCK_K_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """One program per token; norm-weight gradients go to a per-token row, summed afterwards."""
-    token = tl.program_id(0).to(tl.int64)
-    batch = token // seq_len
-    pos = token % seq_len
-    cos, sin = _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM, BLOCK_HALF)
-    _rope_heads_bwd(
-        dq_out_ptr + batch * dq_out_stride_b + pos * dq_out_stride_s,
-        q_ptr + batch * q_stride_b + pos * q_stride_s,
-        dq_ptr + token * n_q_heads * HEAD_DIM,
+    @triton.jit
+    def _rope_bwd_kernel(
+        dq_out_ptr,
+        dk_out_ptr,
+        q_ptr,
+        k_ptr,
+        dq_ptr,
+        dk_ptr,
+        positions_ptr,
+        inv_freq_ptr,
         q_weight_ptr,
-        dq_weight_partial_ptr + token * HEAD_DIM,
+        k_weight_ptr,
+        dq_weight_partial_ptr,
+        dk_weight_partial_ptr,
+        seq_len,
+        dq_out_stride_b,
+        dq_out_stride_s,
         dq_out_stride_h,
-        q_stride_h,
-        n_q_heads,
-        cos,
-        sin,
-        eps,
-        Q_NORM,
-        Q_DWEIGHT,
-        HEAD_DIM,
-        BLOCK_Q_HEADS,
-        BLOCK_HALF,
-    )
-    _rope_heads_bwd(
-        dk_out_ptr + batch * dk_out_stride_b + pos * dk_out_stride_s,
-        k_ptr + batch * k_stride_b + pos * k_stride_s,
-        dk_ptr + token * n_k_heads * HEAD_DIM,
-        k_weight_ptr,
-        dk_weight_partial_ptr + token * HEAD_DIM,
+        dk_out_stride_b,
+        dk_out_stride_s,
         dk_out_stride_h,
+        q_stride_b,
+        q_stride_s,
+        q_stride_h,
+        k_stride_b,
+        k_stride_s,
         k_stride_h,
+        n_q_heads,
         n_k_heads,
-        cos,
-        sin,
         eps,
-        K_NORM,
-        K_DWEIGHT,
-        HEAD_DIM,
-        BLOCK_K_HEADS,
-        BLOCK_HALF,
-    )
+        Q_NORM: tl.constexpr,
+        K_NORM: tl.constexpr,
+        Q_DWEIGHT: tl.constexpr,
+        K_DWEIGHT: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_Q_HEADS: tl.constexpr,
+        BLOCK_K_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        """One program per token; norm-weight gradients go to a per-token row, summed afterwards."""
+        token = tl.program_id(0).to(tl.int64)
+        batch = token // seq_len
+        pos = token % seq_len
+        cos, sin = _token_angles(positions_ptr, inv_freq_ptr, token, HEAD_DIM, BLOCK_HALF)
+        _rope_heads_bwd(
+            dq_out_ptr + batch * dq_out_stride_b + pos * dq_out_stride_s,
+            q_ptr + batch * q_stride_b + pos * q_stride_s,
+            dq_ptr + token * n_q_heads * HEAD_DIM,
+            q_weight_ptr,
+            dq_weight_partial_ptr + token * HEAD_DIM,
+            dq_out_stride_h,
+            q_stride_h,
+            n_q_heads,
+            cos,
+            sin,
+            eps,
+            Q_NORM,
+            Q_DWEIGHT,
+            HEAD_DIM,
+            BLOCK_Q_HEADS,
+            BLOCK_HALF,
+        )
+        _rope_heads_bwd(
+            dk_out_ptr + batch * dk_out_stride_b + pos * dk_out_stride_s,
+            k_ptr + batch * k_stride_b + pos * k_stride_s,
+            dk_ptr + token * n_k_heads * HEAD_DIM,
+            k_weight_ptr,
+            dk_weight_partial_ptr + token * HEAD_DIM,
+            dk_out_stride_h,
+            k_stride_h,
+            n_k_heads,
+            cos,
+            sin,
+            eps,
+            K_NORM,
+            K_DWEIGHT,
+            HEAD_DIM,
+            BLOCK_K_HEADS,
+            BLOCK_HALF,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

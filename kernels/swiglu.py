@@ -19,10 +19,12 @@ recompute needs only down_t (need_output=False skips writing h).
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from qlora_kernels._dispatch import use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -70,204 +72,205 @@ def _split_ranks(lora_t, gate_b, up_b):
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _load_b(b_ptr, cols, col_mask, ranks, rank):
-    """B[cols] [BLOCK_N, RANK_BLOCK] of a row-major B [n_cols, rank], zero past the edges."""
-    return tl.load(
-        b_ptr + cols[:, None] * rank + ranks[None, :],
-        mask=col_mask[:, None] & (ranks[None, :] < rank),
-        other=0.0,
-    )
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
 
-
-@triton.jit
-def _lora_add(base, t, b, scaling):
-    """base + scaling * t @ b^T; the product accumulates in fp32."""
-    return base + scaling * tl.dot(t, tl.trans(b))
-
-
-@triton.jit
-def _lora_swiglu_fwd_kernel(
-    gate_up_ptr,
-    t_gate_ptr,
-    t_up_ptr,
-    gate_b_ptr,
-    up_b_ptr,
-    down_a_ptr,
-    h_ptr,
-    down_t_ptr,
-    n_rows,
-    n_cols,
-    cols_per_split,
-    gate_up_stride,
-    t_stride,
-    rank,
-    down_rank,
-    scaling,
-    GATE_LORA: tl.constexpr,
-    UP_LORA: tl.constexpr,
-    DOWN_LORA: tl.constexpr,
-    STORE_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANK_BLOCK: tl.constexpr,
-    DOWN_RANK_BLOCK: tl.constexpr,
-):
-    """One program: BLOCK_T tokens across one split of the columns; it writes its split's part of
-    down_t's sum over columns in fp32, and the launcher adds the splits."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    split = tl.program_id(1)
-    first_col = split * cols_per_split
-    row_mask = rows < n_rows
-    ranks = tl.arange(0, RANK_BLOCK)
-    t_mask = row_mask[:, None] & (ranks[None, :] < rank)
-    if GATE_LORA:
-        t_gate = tl.load(t_gate_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
-    if UP_LORA:
-        t_up = tl.load(t_up_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
-    down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
-    down_t = tl.zeros([BLOCK_T, DOWN_RANK_BLOCK], dtype=tl.float32)
-    for start in range(first_col, first_col + cols_per_split, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-        if GATE_LORA:
-            gate = _lora_add(gate, t_gate, _load_b(gate_b_ptr, cols, col_mask, ranks, rank), scaling)
-        if UP_LORA:
-            up = _lora_add(up, t_up, _load_b(up_b_ptr, cols, col_mask, ranks, rank), scaling)
-        h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
-        if STORE_H:
-            tl.store(h_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
-        if DOWN_LORA:
-            a_t = tl.load(
-                down_a_ptr + down_ranks[None, :] * n_cols + cols[:, None],
-                mask=col_mask[:, None] & (down_ranks[None, :] < down_rank),
-                other=0.0,
-            )
-            down_t += tl.dot(h, a_t)
-    if DOWN_LORA:
-        tl.store(
-            down_t_ptr + (split * n_rows + rows[:, None]) * down_rank + down_ranks[None, :],
-            down_t,
-            mask=row_mask[:, None] & (down_ranks[None, :] < down_rank),
-        )
-
-
-@triton.jit
-def _lora_swiglu_bwd_kernel(
-    dh_ptr,
-    down_dt_ptr,
-    gate_up_ptr,
-    t_gate_ptr,
-    t_up_ptr,
-    gate_b_ptr,
-    up_b_ptr,
-    down_a_ptr,
-    dgate_up_ptr,
-    dgate_b_ptr,
-    dup_b_ptr,
-    ddown_a_ptr,
-    dt_gate_ptr,
-    dt_up_ptr,
-    n_rows,
-    n_cols,
-    rows_per_split,
-    dh_stride,
-    gate_up_stride,
-    t_stride,
-    rank,
-    down_rank,
-    scaling,
-    GATE_LORA: tl.constexpr,
-    UP_LORA: tl.constexpr,
-    DOWN_LORA: tl.constexpr,
-    LORA_T_GRAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANK_BLOCK: tl.constexpr,
-    DOWN_RANK_BLOCK: tl.constexpr,
-):
-    """One program: BLOCK_N columns down one split of the tokens; it writes its split's part of
-    the weight gradients' sums over tokens in fp32, without atomics, and the launcher adds the
-    splits. lora_t's gradient, a sum over columns, is added across programs with fp32 atomics
-    (LORA_T_GRAD), so its summation order varies from run to run."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    first_row = split * rows_per_split
-    col_mask = cols < n_cols
-    ranks = tl.arange(0, RANK_BLOCK)
-    down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
-    down_rank_mask = down_ranks < down_rank
-    if DOWN_LORA:
-        down_a = tl.load(
-            down_a_ptr + down_ranks[:, None] * n_cols + cols[None, :],
-            mask=down_rank_mask[:, None] & col_mask[None, :],
+    @triton.jit
+    def _load_b(b_ptr, cols, col_mask, ranks, rank):
+        """B[cols] [BLOCK_N, RANK_BLOCK] of a row-major B [n_cols, rank], zero past the edges."""
+        return tl.load(
+            b_ptr + cols[:, None] * rank + ranks[None, :],
+            mask=col_mask[:, None] & (ranks[None, :] < rank),
             other=0.0,
         )
-    if GATE_LORA:
-        gate_b = _load_b(gate_b_ptr, cols, col_mask, ranks, rank)
-    if UP_LORA:
-        up_b = _load_b(up_b_ptr, cols, col_mask, ranks, rank)
-    dgate_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
-    dup_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
-    ddown_a = tl.zeros([DOWN_RANK_BLOCK, BLOCK_N], dtype=tl.float32)
-    for start in range(first_row, first_row + rows_per_split, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T).to(tl.int64)
+
+    @triton.jit
+    def _lora_add(base, t, b, scaling):
+        """base + scaling * t @ b^T; the product accumulates in fp32."""
+        return base + scaling * tl.dot(t, tl.trans(b))
+
+    @triton.jit
+    def _lora_swiglu_fwd_kernel(
+        gate_up_ptr,
+        t_gate_ptr,
+        t_up_ptr,
+        gate_b_ptr,
+        up_b_ptr,
+        down_a_ptr,
+        h_ptr,
+        down_t_ptr,
+        n_rows,
+        n_cols,
+        cols_per_split,
+        gate_up_stride,
+        t_stride,
+        rank,
+        down_rank,
+        scaling,
+        GATE_LORA: tl.constexpr,
+        UP_LORA: tl.constexpr,
+        DOWN_LORA: tl.constexpr,
+        STORE_H: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        RANK_BLOCK: tl.constexpr,
+        DOWN_RANK_BLOCK: tl.constexpr,
+    ):
+        """One program: BLOCK_T tokens across one split of the columns; it writes its split's part of
+        down_t's sum over columns in fp32, and the launcher adds the splits."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(1)
+        first_col = split * cols_per_split
         row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
+        ranks = tl.arange(0, RANK_BLOCK)
         t_mask = row_mask[:, None] & (ranks[None, :] < rank)
-        gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-        t_offsets = rows[:, None] * t_stride + ranks[None, :]
         if GATE_LORA:
-            t_gate = tl.load(t_gate_ptr + t_offsets, mask=t_mask, other=0.0)
-            gate = _lora_add(gate, t_gate, gate_b, scaling)
+            t_gate = tl.load(t_gate_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
         if UP_LORA:
-            t_up = tl.load(t_up_ptr + t_offsets, mask=t_mask, other=0.0)
-            up = _lora_add(up, t_up, up_b, scaling)
-        dh = tl.load(dh_ptr + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
+            t_up = tl.load(t_up_ptr + rows[:, None] * t_stride + ranks[None, :], mask=t_mask, other=0.0)
+        down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
+        down_t = tl.zeros([BLOCK_T, DOWN_RANK_BLOCK], dtype=tl.float32)
+        for start in range(first_col, first_col + cols_per_split, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
+            gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+            if GATE_LORA:
+                gate = _lora_add(gate, t_gate, _load_b(gate_b_ptr, cols, col_mask, ranks, rank), scaling)
+            if UP_LORA:
+                up = _lora_add(up, t_up, _load_b(up_b_ptr, cols, col_mask, ranks, rank), scaling)
+            h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
+            if STORE_H:
+                tl.store(h_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
+            if DOWN_LORA:
+                a_t = tl.load(
+                    down_a_ptr + down_ranks[None, :] * n_cols + cols[:, None],
+                    mask=col_mask[:, None] & (down_ranks[None, :] < down_rank),
+                    other=0.0,
+                )
+                down_t += tl.dot(h, a_t)
         if DOWN_LORA:
-            down_dt = tl.load(
-                down_dt_ptr + rows[:, None] * down_rank + down_ranks[None, :],
-                mask=row_mask[:, None] & down_rank_mask[None, :],
+            tl.store(
+                down_t_ptr + (split * n_rows + rows[:, None]) * down_rank + down_ranks[None, :],
+                down_t,
+                mask=row_mask[:, None] & (down_ranks[None, :] < down_rank),
+            )
+
+    @triton.jit
+    def _lora_swiglu_bwd_kernel(
+        dh_ptr,
+        down_dt_ptr,
+        gate_up_ptr,
+        t_gate_ptr,
+        t_up_ptr,
+        gate_b_ptr,
+        up_b_ptr,
+        down_a_ptr,
+        dgate_up_ptr,
+        dgate_b_ptr,
+        dup_b_ptr,
+        ddown_a_ptr,
+        dt_gate_ptr,
+        dt_up_ptr,
+        n_rows,
+        n_cols,
+        rows_per_split,
+        dh_stride,
+        gate_up_stride,
+        t_stride,
+        rank,
+        down_rank,
+        scaling,
+        GATE_LORA: tl.constexpr,
+        UP_LORA: tl.constexpr,
+        DOWN_LORA: tl.constexpr,
+        LORA_T_GRAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        RANK_BLOCK: tl.constexpr,
+        DOWN_RANK_BLOCK: tl.constexpr,
+    ):
+        """One program: BLOCK_N columns down one split of the tokens; it writes its split's part of
+        the weight gradients' sums over tokens in fp32, without atomics, and the launcher adds the
+        splits. lora_t's gradient, a sum over columns, is added across programs with fp32 atomics
+        (LORA_T_GRAD), so its summation order varies from run to run."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        first_row = split * rows_per_split
+        col_mask = cols < n_cols
+        ranks = tl.arange(0, RANK_BLOCK)
+        down_ranks = tl.arange(0, DOWN_RANK_BLOCK)
+        down_rank_mask = down_ranks < down_rank
+        if DOWN_LORA:
+            down_a = tl.load(
+                down_a_ptr + down_ranks[:, None] * n_cols + cols[None, :],
+                mask=down_rank_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-            dh += tl.dot(down_dt, down_a)
-            h = (silu * up).to(down_dt.dtype)
-            ddown_a += tl.dot(tl.trans(down_dt), h)
-        dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_up_ptr.dtype.element_ty)
-        dup = (dh * silu).to(dgate_up_ptr.dtype.element_ty)
-        dgate_ptrs = dgate_up_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
-        tl.store(dgate_ptrs, dgate, mask=mask)
-        tl.store(dgate_ptrs + n_cols, dup, mask=mask)
         if GATE_LORA:
-            dgate_b += tl.dot(tl.trans(dgate), t_gate)
-            if LORA_T_GRAD:
-                dt_gate = scaling * tl.dot(dgate, gate_b)
-                tl.atomic_add(dt_gate_ptr + t_offsets, dt_gate, mask=t_mask, sem="relaxed")
+            gate_b = _load_b(gate_b_ptr, cols, col_mask, ranks, rank)
         if UP_LORA:
-            dup_b += tl.dot(tl.trans(dup), t_up)
-            if LORA_T_GRAD:
-                dt_up = scaling * tl.dot(dup, up_b)
-                tl.atomic_add(dt_up_ptr + t_offsets, dt_up, mask=t_mask, sem="relaxed")
-    b_ptrs = (split * n_cols + cols[:, None]) * rank + ranks[None, :]
-    b_mask = col_mask[:, None] & (ranks[None, :] < rank)
-    if GATE_LORA:
-        tl.store(dgate_b_ptr + b_ptrs, dgate_b * scaling, mask=b_mask)
-    if UP_LORA:
-        tl.store(dup_b_ptr + b_ptrs, dup_b * scaling, mask=b_mask)
-    if DOWN_LORA:
-        tl.store(
-            ddown_a_ptr + (split * down_rank + down_ranks[:, None]) * n_cols + cols[None, :],
-            ddown_a,
-            mask=down_rank_mask[:, None] & col_mask[None, :],
-        )
+            up_b = _load_b(up_b_ptr, cols, col_mask, ranks, rank)
+        dgate_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
+        dup_b = tl.zeros([BLOCK_N, RANK_BLOCK], dtype=tl.float32)
+        ddown_a = tl.zeros([DOWN_RANK_BLOCK, BLOCK_N], dtype=tl.float32)
+        for start in range(first_row, first_row + rows_per_split, BLOCK_T):
+            rows = start + tl.arange(0, BLOCK_T).to(tl.int64)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            t_mask = row_mask[:, None] & (ranks[None, :] < rank)
+            gate_ptrs = gate_up_ptr + rows[:, None] * gate_up_stride + cols[None, :]
+            gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+            t_offsets = rows[:, None] * t_stride + ranks[None, :]
+            if GATE_LORA:
+                t_gate = tl.load(t_gate_ptr + t_offsets, mask=t_mask, other=0.0)
+                gate = _lora_add(gate, t_gate, gate_b, scaling)
+            if UP_LORA:
+                t_up = tl.load(t_up_ptr + t_offsets, mask=t_mask, other=0.0)
+                up = _lora_add(up, t_up, up_b, scaling)
+            dh_ptrs = dh_ptr + rows[:, None] * dh_stride + cols[None, :]
+            dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            if DOWN_LORA:
+                down_dt = tl.load(
+                    down_dt_ptr + rows[:, None] * down_rank + down_ranks[None, :],
+                    mask=row_mask[:, None] & down_rank_mask[None, :],
+                    other=0.0,
+                )
+                dh += tl.dot(down_dt, down_a)
+                h = (silu * up).to(down_dt.dtype)
+                ddown_a += tl.dot(tl.trans(down_dt), h)
+            dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_up_ptr.dtype.element_ty)
+            dup = (dh * silu).to(dgate_up_ptr.dtype.element_ty)
+            dgate_ptrs = dgate_up_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
+            tl.store(dgate_ptrs, dgate, mask=mask)
+            tl.store(dgate_ptrs + n_cols, dup, mask=mask)
+            if GATE_LORA:
+                dgate_b += tl.dot(tl.trans(dgate), t_gate)
+                if LORA_T_GRAD:
+                    dt_gate = scaling * tl.dot(dgate, gate_b)
+                    tl.atomic_add(dt_gate_ptr + t_offsets, dt_gate, mask=t_mask, sem="relaxed")
+            if UP_LORA:
+                dup_b += tl.dot(tl.trans(dup), t_up)
+                if LORA_T_GRAD:
+                    dt_up = scaling * tl.dot(dup, up_b)
+                    tl.atomic_add(dt_up_ptr + t_offsets, dt_up, mask=t_mask, sem="relaxed")
+        b_ptrs = (split * n_cols + cols[:, None]) * rank + ranks[None, :]
+        b_mask = col_mask[:, None] & (ranks[None, :] < rank)
+        if GATE_LORA:
+            tl.store(dgate_b_ptr + b_ptrs, dgate_b * scaling, mask=b_mask)
+        if UP_LORA:
+            tl.store(dup_b_ptr + b_ptrs, dup_b * scaling, mask=b_mask)
+        if DOWN_LORA:
+            tl.store(
+                ddown_a_ptr + (split * down_rank + down_ranks[:, None]) * n_cols + cols[None, :],
+                ddown_a,
+                mask=down_rank_mask[:, None] & col_mask[None, :],
+            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,12 @@ import torch
 from qlora_cli.config import TrainConfig
 from qlora_cli.errors import QLoraError
 from qlora_cli.model import LoRAConfig
+from qlora_kernels import triton_setup_error
 
 
 def select_device(name: str) -> torch.device:
+    if error := triton_setup_error():
+        raise QLoraError(error)
     if name == "cuda" and not torch.cuda.is_available():
         raise QLoraError("config key 'device' is 'cuda' but no CUDA device is available")
     if name == "auto":
