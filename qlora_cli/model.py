@@ -139,23 +139,6 @@ class ProjectionGroup(nn.Module):
         )
 
 
-class Recompute:
-    """Active while torch.utils.checkpoint reruns a layer in backward. Only the tensors backward
-    saves are kept from that rerun, so the layer's last GEMM (down_proj) need not produce y."""
-
-    active = False
-
-    def __enter__(self):
-        Recompute.active = True
-
-    def __exit__(self, *exc):
-        Recompute.active = False
-
-
-def _recompute_contexts():
-    return contextlib.nullcontext(), Recompute()
-
-
 def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
     """`auto`: torch's fused attention for rows of one document, our kernel for packed rows.
 
@@ -185,6 +168,21 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(spec.head_dim), requires_grad=trainable)
         else:
             self.q_norm = self.k_norm = None
+        self.recomputing = False
+
+    def checkpoint_contexts(self):
+        """torch.utils.checkpoint's context_fn: the forward runs as usual; the rerun in backward sets
+        `recomputing`, since only the tensors backward saves are kept from it, so the layer's last GEMM
+        (down_proj) need not produce y."""
+        return contextlib.nullcontext(), self._recomputation()
+
+    @contextlib.contextmanager
+    def _recomputation(self):
+        self.recomputing = True
+        try:
+            yield
+        finally:
+            self.recomputing = False
 
     def forward(self, x, residual, position_ids, doc_ids, inv_freq):
         spec = self.spec
@@ -219,11 +217,11 @@ class DecoderLayer(nn.Module):
             gate_up.lora_B.get("up_proj"),
             gate_up.scaling,
             down_a if fuse_down else None,
-            need_output=not (Recompute.active and fuse_down),
+            need_output=not (self.recomputing and fuse_down),
         )
         if fuse_down:
-            return timed("down_gemm", down, activation, need_output=not Recompute.active, lora_t=down_t)
-        return timed("down_gemm", down, activation, need_output=not Recompute.active)
+            return timed("down_gemm", down, activation, need_output=not self.recomputing, lora_t=down_t)
+        return timed("down_gemm", down, activation, need_output=not self.recomputing)
 
 
 class QLoRAModel(nn.Module):
@@ -363,7 +361,7 @@ class QLoRAModel(nn.Module):
                     doc_ids,
                     self.inv_freq,
                     use_reentrant=False,
-                    context_fn=_recompute_contexts,
+                    context_fn=layer.checkpoint_contexts,
                     # LoRA dropout is a layer's only random op; without it there is no RNG state to
                     # replay, and none to read, which a CUDA graph capture could not do.
                     preserve_rng_state=bool(self.lora and self.lora.dropout),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from checkpoints import load_transformers, write_qwen2, write_qwen3
 
-from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, ProjectionGroup, QLoRAModel
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
@@ -123,6 +123,33 @@ def test_recomputed_layers_give_the_same_loss_and_gradients(checkpoint, ops, mon
         assert all(
             torch.allclose(g, g0, rtol=1e-5, atol=1e-7) for g, g0 in zip(grads, results[0][1], strict=True)
         )
+
+
+def test_only_the_recompute_skips_down_projs_output(checkpoint, reference_ops, monkeypatch):
+    """The rerun in backward asks down_proj for no output, once per recomputed layer; the first
+    forward, the other layers and a second model are untouched by it."""
+    kind, folder = checkpoint
+    calls = []
+    project = ProjectionGroup.forward
+
+    def spy(group, x, need_output=True, **kwargs):
+        if "down_proj" in group.names:
+            calls.append((torch.is_grad_enabled(), need_output))
+        return project(group, x, need_output, **kwargs)
+
+    monkeypatch.setattr(ProjectionGroup, "forward", spy)
+    model = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4), checkpoint_layers=1).train()
+    other = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4)).train()
+    ids = _tokens(model.spec.vocab_size)
+    loss_sum, _ = model.loss(ids, ids.roll(-1, dims=1))
+    assert calls == [(True, True)] * len(model.layers)
+    calls.clear()
+    loss_sum.backward()
+    assert calls == [(True, False)]
+    assert not any(layer.recomputing for layer in [*model.layers, *other.layers])
+    calls.clear()
+    other.loss(ids, ids.roll(-1, dims=1))[0].backward()
+    assert calls == [(True, True)] * len(other.layers)
 
 
 @pytest.mark.parametrize(
