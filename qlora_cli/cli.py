@@ -92,6 +92,22 @@ def train(
 
 
 @app.command()
+def data(
+    config: ConfigArg,
+    show: Annotated[
+        int, typer.Option("--show", min=0, help="Also print this many examples, trained tokens highlighted.")
+    ] = 0,
+    set_: SetOption = None,
+) -> None:
+    """Check CONFIG and tokenize its datasets: rows, tokens, trained tokens, dropped rows, packing (no weights)."""
+    from qlora_cli.config import load_config
+    from qlora_cli.data_report import data_report, print_data_report
+
+    report = data_report(load_config(config, set_ or ()))
+    print_data_report(report, Console(), show)
+
+
+@app.command()
 def resume(
     output_dir: Annotated[
         Path, typer.Argument(help="The output_dir of the run to continue.", show_default=False)

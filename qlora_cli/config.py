@@ -30,21 +30,43 @@ def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = 
 
 @dataclass
 class DatasetConfig:
+    """One entry of `datasets` (or `test_datasets`), with Axolotl's keys; qlora_cli/prompts.py renders rows.
+
+    field_messages, message_field_role and message_field_content left unset read `messages` with
+    role/content, or ShareGPT's `conversations` with from/value, whichever the rows have.
+    """
+
     path: str
-    type: Literal["alpaca", "chat_template", "completion", "text"] = "alpaca"
+    type: str = "alpaca"
     split: str = "train"
     revision: str | None = None
-    field_messages: str = "messages"
-    message_field_role: str = "role"
-    message_field_content: str = "content"
+    name: str | None = None
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    ds_type: Literal["json", "jsonl", "parquet", "arrow", "csv"] | None = None
+    field_messages: str | None = None
+    message_property_mappings: dict[str, str] = field(default_factory=dict)
+    message_field_role: str | None = None
+    message_field_content: str | None = None
+    message_field_training: str = "training"
+    roles: dict[str, list[str]] = field(default_factory=dict)
     roles_to_train: list[str] = field(default_factory=lambda: ["assistant"])
+    train_on_eos: Literal["turn", "all", "last", "none"] | bool = "turn"
+    drop_system_message: bool = False
     field_instruction: str = "instruction"
     field_input: str = "input"
     field_output: str = "output"
+    field_system: str = "system"
     field_prompt: str = "prompt"
     field_completion: str = "completion"
     field_text: str = "text"
-    train_on_eos: bool = True
+    field: str | None = None
+
+    def __post_init__(self):
+        # Axolotl's train_on_eos is a word; a boolean (qlora's older form) means turn or none.
+        if isinstance(self.train_on_eos, bool):
+            self.train_on_eos = "turn" if self.train_on_eos else "none"
+        if self.ds_type == "jsonl":
+            self.ds_type = "json"
 
 
 @dataclass
@@ -90,6 +112,12 @@ class TrainConfig:
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_graphs: bool | Literal["auto"] = "auto"
+    test_datasets: list[DatasetConfig] = field(default_factory=list)
+    train_on_inputs: bool = False
+    chat_template: str | None = None
+    chat_template_jinja: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    dataset_exact_deduplication: bool = False
 
     @property
     def target_modules(self) -> list[str]:
@@ -107,7 +135,10 @@ IGNORED_KEYS = {
     "xformers_attention": "qlora always uses fused attention (see the 'attention' key)",
     "strict": "qlora always checks keys strictly",
     "tf32": "qlora computes in bf16",
-    "dataset_prepared_path": "qlora tokenizes in memory",
+    "dataset_prepared_path": "qlora tokenizes in memory at the start of each run; nothing is cached",
+    "dataset_processes": "the Rust tokenizer already uses every core",
+    "dataset_num_proc": "the Rust tokenizer already uses every core",
+    "shuffle_merged_datasets": "qlora shuffles the training rows every epoch, by seed",
     "group_by_length": "qlora packs or pads per micro-batch",
     "model_type": "the model type is read from config.json",
     "tokenizer_type": "the tokenizer is read from the model folder",
@@ -127,7 +158,6 @@ UNSUPPORTED_KEYS = {
     "fsdp": "use torchrun for several GPUs",
     "fsdp_config": "use torchrun for several GPUs",
     "lora_modules_to_save": "only LoRA adapters (and norms with train_norms) are trained",
-    "train_on_inputs": "prompt tokens are always masked",
     "special_tokens": "the tokenizer is used as the checkpoint ships it",
     "resume_from_checkpoint": "use `qlora resume OUTPUT_DIR`",
     "early_stopping_patience": "not implemented",
@@ -142,6 +172,10 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping to {_type_name(typing.get_args(tp)[1])}"
+    if tp is Any:
+        return "any value"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}[
@@ -176,6 +210,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {
+            _convert(k, key_type, where): _convert(v, value_type, f"{where}.{k}") for k, v in value.items()
+        }
+    if tp is Any:
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise QLoraError(f"config key '{where}': expected a mapping, got {value!r}")
@@ -237,9 +280,33 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     return cls(**values)
 
 
+def _dataset_problems(config: TrainConfig) -> list[str]:
+    """What in the dataset keys cannot be honoured: unknown types, chat templates, conflicting keys."""
+    from qlora_cli.chat_templates import template_problem
+    from qlora_cli.prompts import type_problem
+
+    problems = []
+    for key, datasets in (("datasets", config.datasets), ("test_datasets", config.test_datasets)):
+        for index, dataset in enumerate(datasets):
+            problem = type_problem(dataset.type)
+            if problem:
+                problems.append(f"config key '{key}.{index}.type': {problem}")
+    problem = template_problem(config.chat_template, config.chat_template_jinja)
+    if problem:
+        problems.append(problem)
+    if config.test_datasets and config.val_set_size:
+        problems.append(
+            "config keys 'test_datasets' and 'val_set_size' both choose evaluation rows; keep one of them"
+        )
+    return problems
+
+
 def _check_consistency(config: TrainConfig) -> None:
     if not config.datasets:
         raise QLoraError("config key 'datasets': expected at least one dataset")
+    problems = _dataset_problems(config)
+    if problems:
+        raise QLoraError("; ".join(problems))
     unknown = sorted(set(config.target_modules) - set(ALL_PROJECTIONS))
     if unknown:
         raise QLoraError(

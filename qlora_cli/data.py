@@ -12,53 +12,41 @@ micro-batch it stopped at.
 from __future__ import annotations
 
 import bisect
-import json
+import dataclasses
 import math
 import random
-import re
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from qlora_cli import prompts
+from qlora_cli.chat_templates import choose_template
+from qlora_cli.data_files import read_split
 from qlora_cli.errors import QLoraError
+from qlora_cli.hub import resolve_dataset
 from qlora_cli.tokenizer import ChatTokenizer
 
 IGNORE_INDEX = -100
-DATASET_TYPES = ("alpaca", "chat_template", "completion", "text")
-DATA_SUFFIXES = (".jsonl", ".json")
 
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-ALPACA_PROMPT_NO_INPUT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
+# Why a row left no example, in the words the statistics and errors use.
+WRONG_ROLES = "no turn of a trained role"
+EMPTY = "nothing to train (empty response)"
+TOO_LONG = "no trained token within sequence_len"
 
 
-class DatasetSpec(Protocol):
+class DatasetSpec(prompts.DatasetSpec, Protocol):
     """The fields of config.DatasetConfig this module reads."""
 
     path: str
-    type: str
     split: str
-    field_messages: str
-    message_field_role: str
-    message_field_content: str
-    roles_to_train: list[str]
-    field_instruction: str
-    field_input: str
-    field_output: str
-    field_prompt: str
-    field_completion: str
-    field_text: str
-    train_on_eos: bool
+    revision: str | None
+    name: str | None
+    data_files: str | list[str] | dict[str, str | list[str]] | None
+    ds_type: str | None
 
 
 @dataclass
@@ -72,228 +60,16 @@ class Example:
 class ExampleList(list):
     """The examples of a dataset (a plain list of Example) plus what loading did to them.
 
-    rows: rows read from the files; truncated: examples cut to sequence_len; dropped: rows left with no
-    trained token (after truncation), which are not in the list.
+    rows: rows read from the files; truncated: examples cut to sequence_len; dropped: why rows left no
+    example (reason -> count); roles_seen: the template roles of dropped chats, for the error message.
     """
 
-    def __init__(
-        self, examples: Iterable[Example] = (), *, rows: int = 0, truncated: int = 0, dropped: int = 0
-    ):
+    def __init__(self, examples: Iterable[Example] = (), *, rows: int = 0, truncated: int = 0):
         super().__init__(examples)
         self.rows = rows
         self.truncated = truncated
-        self.dropped = dropped
-
-
-# ----- reading rows -----
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number")
-
-
-def _dataset_files(path: Path, split: str) -> list[Path]:
-    """A file is itself; a folder gives its .jsonl/.json files in sorted order, only the split's if it names any."""
-    if path.is_file():
-        if path.suffix not in DATA_SUFFIXES:
-            raise QLoraError(
-                f"{path}: unsupported dataset file type {path.suffix!r} (expected .jsonl or .json)"
-            )
-        return [path]
-    if not path.is_dir():
-        raise QLoraError(f"{path}: dataset path does not exist")
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.suffix in DATA_SUFFIXES
-        and p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-    if not files:
-        raise QLoraError(f"{path}: folder has no .jsonl or .json files")
-    # Hub dataset repos name splits in file or folder names: train.jsonl, data/train-00000-of-00002.jsonl.
-    in_split = [p for p in files if split in re.split(r"[/\\._-]", str(p.relative_to(path).with_suffix("")))]
-    return in_split or files
-
-
-def _read_rows(file: Path) -> Iterator[tuple[str, dict]]:
-    """Yield (where, row) with `where` naming the file and line (or list item) for error messages."""
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise QLoraError(f"{file}: cannot read ({' '.join(str(error).split())})") from None
-    if file.suffix == ".jsonl":
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{file}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise QLoraError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(row, dict):
-                raise QLoraError(f"{where}: expected a JSON object, got {_json_type(row)}")
-            yield where, row
-        return
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise QLoraError(
-            f"{file}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno})"
-        ) from None
-    if not isinstance(items, list):
-        raise QLoraError(f"{file}: expected a JSON list of objects, got {_json_type(items)}")
-    for index, row in enumerate(items):
-        where = f"{file}: item {index}"
-        if not isinstance(row, dict):
-            raise QLoraError(f"{where}: expected a JSON object, got {_json_type(row)}")
-        yield where, row
-
-
-def _string_field(row: dict, name: str, where: str, *, optional: bool = False) -> str:
-    if name not in row or (optional and row[name] is None):
-        if optional:
-            return ""
-        raise QLoraError(f"{where}: missing field {name!r}")
-    value = row[name]
-    if not isinstance(value, str):
-        raise QLoraError(f"{where}: field {name!r} must be a string, got {_json_type(value)}")
-    return value
-
-
-# ----- rows to (text, trained) segments -----
-
-Segments = list[tuple[str, bool]]
-
-
-def _alpaca_segments(row: dict, where: str, spec: DatasetSpec) -> Segments:
-    instruction = _string_field(row, spec.field_instruction, where)
-    context = _string_field(row, spec.field_input, where, optional=True)
-    output = _string_field(row, spec.field_output, where)
-    if context.strip():
-        prompt = ALPACA_PROMPT.format(instruction=instruction, input=context)
-    else:
-        prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
-    return [(prompt, False), (output, True)]
-
-
-def _completion_segments(row: dict, where: str, spec: DatasetSpec) -> Segments:
-    return [
-        (_string_field(row, spec.field_prompt, where), False),
-        (_string_field(row, spec.field_completion, where), True),
-    ]
-
-
-def _text_segments(row: dict, where: str, spec: DatasetSpec) -> Segments:
-    return [(_string_field(row, spec.field_text, where), True)]
-
-
-def _chat_messages(row: dict, where: str, spec: DatasetSpec) -> list[dict]:
-    if spec.field_messages not in row:
-        raise QLoraError(f"{where}: missing field {spec.field_messages!r}")
-    raw = row[spec.field_messages]
-    if not isinstance(raw, list) or not raw:
-        raise QLoraError(f"{where}: field {spec.field_messages!r} must be a non-empty list of messages")
-    messages = []
-    for index, message in enumerate(raw):
-        at = f"{where}: message {index}"
-        if not isinstance(message, dict):
-            raise QLoraError(f"{at}: expected an object, got {_json_type(message)}")
-        role = _string_field(message, spec.message_field_role, at)
-        if spec.message_field_content not in message:
-            raise QLoraError(f"{at}: missing field {spec.message_field_content!r}")
-        content = message[spec.message_field_content]
-        if content is not None and not isinstance(content, str):
-            raise QLoraError(
-                f"{at}: field {spec.message_field_content!r} must be a string, got {_json_type(content)}"
-            )
-        converted = {
-            k: v for k, v in message.items() if k not in (spec.message_field_role, spec.message_field_content)
-        }
-        messages.append({**converted, "role": role, "content": content})
-    return messages
-
-
-def _render(
-    tokenizer: ChatTokenizer, messages: list[dict], where: str, add_generation_prompt: bool = False
-) -> str:
-    try:
-        return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
-    except QLoraError as error:
-        raise QLoraError(f"{where}: {error}") from None
-
-
-def _end_of_turn(turn: str, tokenizer: ChatTokenizer) -> tuple[int, int] | None:
-    """Where a turn's end-of-turn token sits in its text: the special token the turn ends with (trailing
-    whitespace aside), else its last eos token; None when it has neither."""
-    body = turn.rstrip()
-    for token in (tokenizer.eos_token, *tokenizer.special_tokens):
-        if body.endswith(token):
-            return len(body) - len(token), len(body)
-    at = turn.rfind(tokenizer.eos_token)
-    return None if at < 0 else (at, at + len(tokenizer.eos_token))
-
-
-def _turn_end(full: str, start: int, turn: str, tokenizer: ChatTokenizer) -> int | None:
-    """Where a turn whose own rendering is `turn` ends inside `full`, given it starts at `start`.
-
-    Exact when the conversation's rendering extends the turn's own. Some templates decorate only the
-    last assistant turn (Qwen3 adds an empty <think></think> block there), so otherwise the longest tail
-    of the turn's own text, end-of-turn token included, found at `start` is taken; None when none is.
-    """
-    if full.startswith(turn, start):
-        return start + len(turn)
-    end_of_turn = _end_of_turn(turn, tokenizer)
-    longest_cut = end_of_turn[0] if end_of_turn else len(turn) - 1
-    for cut in range(1, longest_cut + 1):
-        if full.startswith(turn[cut:], start):
-            return start + len(turn) - cut
-    return None
-
-
-def _chat_segments(row: dict, where: str, spec: DatasetSpec, tokenizer: ChatTokenizer) -> Segments:
-    """The full rendering, with trained spans found by rendering prefixes of the conversation.
-
-    An assistant turn is trained from the end of the generation prompt (so never its role header) through
-    its end-of-turn token (or up to it, without train_on_eos); other roles in roles_to_train are trained
-    from the end of the previous turn.
-    """
-    messages = _chat_messages(row, where, spec)
-    full = _render(tokenizer, messages, where)
-    spans: list[tuple[int, int]] = []
-    for index, message in enumerate(messages):
-        if message["role"] not in spec.roles_to_train:
-            continue
-        is_assistant = message["role"] == "assistant"
-        before = _render(tokenizer, messages[:index], where, is_assistant) if index or is_assistant else ""
-        through = _render(tokenizer, messages[: index + 1], where)
-        start = len(before)
-        if not full.startswith(before) or not through.startswith(before) or (spans and start < spans[-1][1]):
-            raise QLoraError(
-                f"{where}: message {index}: the chat template does not render this conversation "
-                "prefix-consistently (the text before the turn changes), so its trained tokens cannot be found"
-            )
-        end = _turn_end(full, start, through[start:], tokenizer)
-        if end is None:
-            raise QLoraError(
-                f"{where}: message {index}: the chat template renders this turn differently inside the "
-                "whole conversation, so its trained tokens cannot be found"
-            )
-        end_of_turn = _end_of_turn(full[start:end], tokenizer)
-        if end_of_turn is not None:
-            end = start + end_of_turn[1 if spec.train_on_eos else 0]
-        spans.append((start, end))
-    segments: Segments = []
-    cursor = 0
-    for start, end in spans:
-        segments += [(full[cursor:start], False), (full[start:end], True)]
-        cursor = end
-    segments.append((full[cursor:], False))
-    return segments
-
-
-# ----- segments to examples -----
+        self.dropped: Counter[str] = Counter()
+        self.roles_seen: Counter[str] = Counter()
 
 
 def _to_example(ids: list[int], trained: list[bool], sequence_len: int) -> tuple[Example, bool]:
@@ -305,55 +81,56 @@ def _to_example(ids: list[int], trained: list[bool], sequence_len: int) -> tuple
     return Example(input_ids=ids, labels=labels), truncated
 
 
-def load_examples(dataset: DatasetSpec, tokenizer: ChatTokenizer, sequence_len: int) -> ExampleList:
-    """Read and tokenize one dataset; rows without a trained token are dropped and counted.
+def load_examples(
+    dataset: DatasetSpec,
+    tokenizer: ChatTokenizer,
+    sequence_len: int,
+    *,
+    train_on_inputs: bool = False,
+    template_variables: dict | None = None,
+) -> ExampleList:
+    """Read, render and tokenize one dataset; rows that leave no trained token are dropped and counted.
 
-    Types: alpaca (Alpaca prompt, trains the output), chat_template (the tokenizer's chat template, trains
-    turns whose role is in roles_to_train), completion (trains the completion), text (trains all). For all
-    but chat_template the eos token is appended, trained only when train_on_eos; for chat_template the
-    template writes it, and train_on_eos says whether trained turns include it. No BOS is added.
+    `dataset.path` is a local file or folder (hub repos are downloaded before). No BOS is added; the
+    end-of-sequence token ends every non-chat row, trained unless train_on_eos is none.
     """
-    if dataset.type not in DATASET_TYPES:
-        raise QLoraError(
-            f"dataset {dataset.path}: unknown type {dataset.type!r} (expected one of {', '.join(DATASET_TYPES)})"
-        )
     if sequence_len < 2:
         raise QLoraError(f"sequence_len must be at least 2, got {sequence_len}")
+    prompts.prompt_format(dataset.type)
     path = Path(dataset.path)
-    all_segments: list[Segments] = []
-    for file in _dataset_files(path, dataset.split):
-        for where, row in _read_rows(file):
-            if dataset.type == "chat_template":
-                all_segments.append(_chat_segments(row, where, dataset, tokenizer))
-            elif dataset.type == "alpaca":
-                all_segments.append(_alpaca_segments(row, where, dataset))
-            elif dataset.type == "completion":
-                all_segments.append(_completion_segments(row, where, dataset))
-            else:
-                all_segments.append(_text_segments(row, where, dataset))
-    if not all_segments:
-        raise QLoraError(f"{path}: dataset has no rows")
-
-    flat_texts = [text for segments in all_segments for text, _ in segments]
-    flat_ids = iter(tokenizer.encode_batch(flat_texts))
-    append_eos = dataset.type != "chat_template"
-    result = ExampleList(rows=len(all_segments))
-    for segments in all_segments:
+    rows = read_split(
+        path, dataset.split, data_files=dataset.data_files, subset=dataset.name, file_format=dataset.ds_type
+    )
+    if not rows:
+        raise QLoraError(f"{path}: dataset has no rows (split '{dataset.split}')")
+    variables = template_variables or {}
+    rendered = [
+        prompts.render_row(
+            row, where, dataset, tokenizer, train_on_inputs=train_on_inputs, variables=variables
+        )
+        for where, row in rows
+    ]
+    flat_ids = iter(tokenizer.encode_batch([text for r in rendered for text, _ in r.segments]))
+    result = ExampleList(rows=len(rendered))
+    for row in rendered:
         ids: list[int] = []
         trained: list[bool] = []
-        for _, is_trained in segments:
+        for _, is_trained in row.segments:
             piece = next(flat_ids)
             ids += piece
             trained += [is_trained] * len(piece)
-        if append_eos:
-            ids.append(tokenizer.eos_token_id)
-            trained.append(dataset.train_on_eos)
         example, was_cut = _to_example(ids, trained, sequence_len)
-        result.truncated += was_cut
-        if all(label == IGNORE_INDEX for label in example.labels):
-            result.dropped += 1
-        else:
+        if any(label != IGNORE_INDEX for label in example.labels):
+            result.truncated += was_cut
             result.append(example)
+            continue
+        if not row.trains_a_turn:
+            result.dropped[WRONG_ROLES] += 1
+            result.roles_seen.update(set(row.roles))
+        elif any(trained[1:]):
+            result.dropped[TOO_LONG] += 1
+        else:
+            result.dropped[EMPTY] += 1
     return result
 
 
@@ -380,6 +157,118 @@ def split_validation(
     train = [e for i, e in enumerate(examples) if i not in held_out]
     validation = [e for i, e in enumerate(examples) if i in held_out]
     return train, validation
+
+
+# ----- a config's datasets -----
+
+
+class DataConfig(Protocol):
+    """The keys of config.TrainConfig that choose and shape the data."""
+
+    datasets: list
+    test_datasets: list
+    sequence_len: int
+    val_set_size: float | int
+    seed: int
+    train_on_inputs: bool
+    chat_template: str | None
+    chat_template_jinja: str | None
+    chat_template_kwargs: dict
+    dataset_exact_deduplication: bool
+
+
+@dataclass
+class PreparedData:
+    """The training and evaluation examples of a config, with what loading each dataset did."""
+
+    train: list[Example]
+    validation: list[Example]
+    loaded: list[tuple[str, ExampleList]]
+    duplicates: int = 0
+
+    def notes(self) -> list[str]:
+        """One line per dataset whose rows were cut or dropped, and one for removed duplicates."""
+        lines = []
+        for name, examples in self.loaded:
+            if examples.truncated:
+                lines.append(f"{name}: {examples.truncated} examples truncated to sequence_len")
+            if examples.dropped:
+                lines.append(f"{name}: {dropped_text(examples)} dropped")
+        if self.duplicates:
+            lines.append(f"{self.duplicates} duplicate examples removed (dataset_exact_deduplication)")
+        return lines
+
+
+def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> str:
+    """How many rows were dropped for which reason, in one line."""
+    parts = []
+    for reason, count in examples.dropped.most_common():
+        text = f"{count} rows with {reason}"
+        if reason == WRONG_ROLES and examples.roles_seen:
+            wanted = f"roles_to_train: {', '.join(roles_to_train)}; " if roles_to_train else ""
+            text += f" ({wanted}their roles: {', '.join(sorted(examples.roles_seen))})"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+def local_dataset(dataset):
+    """The dataset entry with a hub dataset repo id replaced by the folder it downloads to."""
+    if Path(dataset.path).exists():
+        return dataset
+    folder = resolve_dataset(dataset.path, dataset.revision)
+    return dataclasses.replace(dataset, path=str(folder))
+
+
+def _load_all(
+    datasets: list, tokenizer: ChatTokenizer, config: DataConfig, key: str
+) -> list[tuple[str, ExampleList]]:
+    loaded = []
+    for dataset in datasets:
+        examples = load_examples(
+            local_dataset(dataset),
+            tokenizer,
+            config.sequence_len,
+            train_on_inputs=config.train_on_inputs,
+            template_variables=config.chat_template_kwargs,
+        )
+        if not examples:
+            raise QLoraError(
+                f"{key}: every one of the {examples.rows} rows of {dataset.path} was dropped: "
+                f"{dropped_text(examples, dataset.roles_to_train)}"
+            )
+        loaded.append((dataset.path, examples))
+    return loaded
+
+
+def _deduplicated(examples: list[Example]) -> list[Example]:
+    seen = set()
+    kept = []
+    for example in examples:
+        key = (tuple(example.input_ids), tuple(example.labels))
+        if key not in seen:
+            seen.add(key)
+            kept.append(example)
+    return kept
+
+
+def prepare_data(config: DataConfig, tokenizer: ChatTokenizer) -> PreparedData:
+    """Every dataset of the config as examples, split into training and evaluation ones.
+
+    Evaluation examples come from test_datasets when there are any, else val_set_size holds them out.
+    """
+    tokenizer = choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+    loaded = _load_all(config.datasets, tokenizer, config, "datasets")
+    examples = [example for _, dataset_examples in loaded for example in dataset_examples]
+    duplicates = 0
+    if config.dataset_exact_deduplication:
+        kept = _deduplicated(examples)
+        duplicates, examples = len(examples) - len(kept), kept
+    if config.test_datasets:
+        tested = _load_all(config.test_datasets, tokenizer, config, "test_datasets")
+        validation = [example for _, dataset_examples in tested for example in dataset_examples]
+        return PreparedData(examples, validation, loaded + tested, duplicates)
+    train, validation = split_validation(examples, config.val_set_size, config.seed)
+    return PreparedData(train, validation, loaded, duplicates)
 
 
 # ----- batches -----

@@ -44,7 +44,7 @@ MODEL_FILE_PATTERNS = (
     "model.safetensors.index.json",
     *TOKENIZER_FILES,
 )
-_DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+_DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -102,6 +102,32 @@ def resolve_model(
     return _download(repo, token=token, cache_dir=cache_dir)
 
 
+def resolve_tokenizer(
+    base_model: str,
+    revision: str | None = None,
+    *,
+    token: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Local folder holding the model's config.json and tokenizer files, without fetching the weights."""
+    local = _existing_local_path(base_model, revision, noun="model folder")
+    if local is not None:
+        if not local.is_dir():
+            raise QLoraError(
+                f"base_model '{base_model}' is a file; give the folder that holds tokenizer.json"
+            )
+        return local
+    repo = _HubRepo(
+        repo_id=base_model,
+        revision=revision,
+        repo_type="model",
+        patterns=("config.json", *TOKENIZER_FILES),
+        required_suffixes=("tokenizer.json",),
+        missing_files_message="has no tokenizer.json; qlora reads fast tokenizers only",
+    )
+    return _download(repo, token=token, cache_dir=cache_dir)
+
+
 def resolve_dataset(
     path_or_repo: str,
     revision: str | None = None,
@@ -109,7 +135,7 @@ def resolve_dataset(
     token: str | None = None,
     cache_dir: str | Path | None = None,
 ) -> Path:
-    """Local data file or folder, or the folder of a hub dataset repo's .jsonl / .json / .parquet files."""
+    """Local data file or folder, or the folder of a hub dataset repo's data files (qlora_cli/data_files.py)."""
     local = _existing_local_path(
         path_or_repo, revision, noun="dataset file or folder", file_suffixes=_DATASET_SUFFIXES
     )
@@ -121,7 +147,7 @@ def resolve_dataset(
         repo_type="dataset",
         patterns=DATASET_FILE_PATTERNS,
         required_suffixes=_DATASET_SUFFIXES,
-        missing_files_message="has no .jsonl, .json or .parquet files; qlora reads only those formats",
+        missing_files_message="has no .jsonl, .json, .parquet, .arrow or .csv files; qlora reads only those formats",
     )
     return _download(repo, token=token, cache_dir=cache_dir)
 

@@ -6,7 +6,6 @@ step it through qlora_cli/step.py.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +13,11 @@ from pathlib import Path
 import torch
 
 from qlora_cli.config import TrainConfig
-from qlora_cli.data import BatchPlan, load_examples, split_validation
+from qlora_cli.data import BatchPlan, prepare_data
 from qlora_cli.distributed import Distributed
 from qlora_cli.errors import QLoraError
 from qlora_cli.graphs import GraphedLoss, graphed_loss_for
-from qlora_cli.hub import resolve_dataset, resolve_model
+from qlora_cli.hub import resolve_model
 from qlora_cli.memory import layers_to_checkpoint
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import compute_dtype, lora_config, select_device
@@ -47,14 +46,6 @@ class Run:
         return batch.doc_ids if self.config.sample_packing else None
 
 
-def _local_dataset(dataset):
-    """A dataset path that is not on disk is a hub dataset repo id."""
-    if Path(dataset.path).exists():
-        return dataset
-    folder = resolve_dataset(dataset.path, dataset.revision)
-    return dataclasses.replace(dataset, path=str(folder))
-
-
 def _check_output_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise QLoraError(f"output_dir {path} exists and is not a folder")
@@ -76,18 +67,9 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
             f"of {spec.max_position_embeddings} (max_position_embeddings)"
         )
     tokenizer = ChatTokenizer.from_folder(folder)
-    notes: list[str] = []
-    examples = []
-    for dataset in config.datasets:
-        loaded = load_examples(_local_dataset(dataset), tokenizer, config.sequence_len)
-        examples.extend(loaded)
-        if loaded.truncated:
-            notes.append(f"{dataset.path}: {loaded.truncated} examples truncated to sequence_len")
-        if loaded.dropped:
-            notes.append(f"{dataset.path}: {loaded.dropped} examples dropped (no trained token left)")
-    train_examples, eval_examples = split_validation(examples, config.val_set_size, config.seed)
-    if not train_examples:
-        raise QLoraError("no training examples are left after the validation split")
+    data = prepare_data(config, tokenizer)
+    notes = data.notes()
+    train_examples, eval_examples = data.train, data.validation
     plan_args = dict(
         micro_batch_size=config.micro_batch_size,
         sequence_len=config.sequence_len,

@@ -87,6 +87,7 @@ class ChatTokenizer:
         eos_token: str,
         pad_token: str | None = None,
         bos_token: str | None = None,
+        template_source: str | None = None,
     ):
         self._tokenizer = tokenizer
         self._tokenizer.no_padding()
@@ -101,12 +102,13 @@ class ChatTokenizer:
         self.bos_token = bos_token
         self.bos_token_id = None if bos_token is None else self._required_id(bos_token, "bos_token")
         self.special_tokens = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+        self.template_source = template_source or f"chat template of {source}"
         self._template = None
         if chat_template is not None:
             try:
                 self._template = _template_environment().from_string(chat_template)
             except jinja2.TemplateError as error:
-                raise QLoraError(f"{source}: chat template does not compile ({_one_line(error)})") from None
+                raise QLoraError(f"{self.template_source} does not compile ({_one_line(error)})") from None
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ChatTokenizer:
@@ -149,6 +151,18 @@ class ChatTokenizer:
             bos_token=_token_text(config.get("bos_token")),
         )
 
+    def with_chat_template(self, chat_template: str, source: str) -> ChatTokenizer:
+        """The same tokenizer rendering chats with another template; `source` names it in errors."""
+        return ChatTokenizer(
+            self._tokenizer,
+            source=self.source,
+            chat_template=chat_template,
+            eos_token=self.eos_token,
+            pad_token=self.pad_token,
+            bos_token=self.bos_token,
+            template_source=source,
+        )
+
     def _required_id(self, token: str, role: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
@@ -175,7 +189,10 @@ class ChatTokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, **variables: Any) -> str:
         """The chat template's text for `messages`; `variables` reach the template too (e.g. enable_thinking)."""
         if self._template is None:
-            raise QLoraError(f"{self.source}: the tokenizer has no chat template")
+            raise QLoraError(
+                f"{self.source}: the tokenizer has no chat template; "
+                "choose one with chat_template: chatml (or qwen_25, qwen3)"
+            )
         context = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token,
@@ -187,9 +204,7 @@ class ChatTokenizer:
         try:
             return self._template.render(**context)
         except Exception as error:
-            raise QLoraError(
-                f"chat template of {self.source} failed to render ({_one_line(error)})"
-            ) from None
+            raise QLoraError(f"{self.template_source} failed to render ({_one_line(error)})") from None
 
 
 def _add_declared_tokens(tokenizer: Tokenizer, declared: Any, config_file: Path) -> None:

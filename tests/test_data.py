@@ -2,13 +2,13 @@
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from qlora_cli.data import BatchPlan, Example, load_examples, split_validation
+from qlora_cli.config import DatasetConfig
+from qlora_cli.data import TOO_LONG, BatchPlan, Example, load_examples, split_validation
 from qlora_cli.errors import QLoraError
 from qlora_cli.tokenizer import ChatTokenizer
 
@@ -22,21 +22,7 @@ def tok():
 
 
 def dataset(path, type="chat_template", **fields):
-    defaults = dict(
-        split="train",
-        field_messages="messages",
-        message_field_role="role",
-        message_field_content="content",
-        roles_to_train=["assistant"],
-        field_instruction="instruction",
-        field_input="input",
-        field_output="output",
-        field_prompt="prompt",
-        field_completion="completion",
-        field_text="text",
-        train_on_eos=True,
-    )
-    return SimpleNamespace(path=str(path), type=type, **{**defaults, **fields})
+    return DatasetConfig(path=str(path), type=type, **fields)
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -140,10 +126,7 @@ def test_chat_field_names_roles_and_eos(tok, tmp_path):
     )
     example = only(load_examples(spec, tok, 512))
     trained = [label for label in example.labels if label != MASK]
-    assert (
-        tok.decode(trained)
-        == "<|im_start|>user\nReverse: cat, sunsun, cat<|im_start|>user\nCapital of Peru?Lima."
-    )
+    assert tok.decode(trained) == "Reverse: cat, sunsun, catCapital of Peru?Lima."
 
 
 def test_chat_template_decorating_the_last_turn(tmp_path):
@@ -168,7 +151,7 @@ def test_chat_template_decorating_the_last_turn(tmp_path):
 
 
 def test_chat_template_that_rewrites_history_is_refused(tmp_path):
-    template = "{{ messages | length }}{% for m in messages %}|{{ m.content }}<|im_end|>{% endfor %}"
+    template = "{{ messages | length }}{% for m in messages %}|{{ m.content | upper }}<|im_end|>{% endfor %}"
     tok = ChatTokenizer(
         Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json")),
         source="odd",
@@ -176,7 +159,7 @@ def test_chat_template_that_rewrites_history_is_refused(tmp_path):
         eos_token="<|im_end|>",
     )
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
-    with pytest.raises(QLoraError, match=r"chat\.jsonl:1: message 2: .*prefix-consistently"):
+    with pytest.raises(QLoraError, match=r"chat\.jsonl:1: message 2: .*renders this turn differently"):
         load_examples(dataset(path), tok, 512)
 
 
@@ -219,9 +202,9 @@ def test_json_list_items_and_missing_or_empty_sources(tok, tmp_path):
     empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(QLoraError, match="no rows"):
         load_examples(dataset(empty, "text"), tok, 512)
-    (tmp_path / "rows.csv").write_text("text\na\n")
-    with pytest.raises(QLoraError, match="unsupported dataset file type"):
-        load_examples(dataset(tmp_path / "rows.csv", "text"), tok, 512)
+    (tmp_path / "rows.txt").write_text("text\na\n")
+    with pytest.raises(QLoraError, match=r"unsupported dataset file type '\.txt'.*set ds_type"):
+        load_examples(dataset(tmp_path / "rows.txt", "text"), tok, 512)
 
 
 def test_folder_reads_sorted_files_of_the_split(tok, tmp_path):
@@ -248,7 +231,8 @@ def test_truncation_and_dropping_are_counted(tok, tmp_path):
         {"prompt": "x", "completion": " one two three four five six seven eight nine ten"},
     ]
     examples = load_examples(dataset(write_jsonl(tmp_path / "c.jsonl", rows), "completion"), tok, 8)
-    assert (examples.rows, examples.truncated, examples.dropped, len(examples)) == (3, 2, 1, 2)
+    assert (examples.rows, examples.truncated, len(examples)) == (3, 1, 2)
+    assert examples.dropped == {TOO_LONG: 1}
     cut = examples[1]
     full_ids = tok.encode("x") + tok.encode(" one two three four five six seven eight nine ten")
     assert cut.input_ids == full_ids[:8]

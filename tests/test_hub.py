@@ -6,7 +6,7 @@ import pytest
 from fake_hub import FakeHub, FakeRepo, use_fake_hub
 
 from qlora_cli.errors import QLoraError
-from qlora_cli.hub import resolve_dataset, resolve_model
+from qlora_cli.hub import resolve_dataset, resolve_model, resolve_tokenizer
 
 GRANTED_TOKEN = "hf_granted_test_token"
 OTHER_TOKEN = "hf_other_test_token"
@@ -99,6 +99,16 @@ def test_download_fetches_only_the_files_qlora_reads(hub, tmp_path):
     assert files_in(folder) == set(MODEL_FILES)
     assert hub.fetched_files("qwen/tiny") == set(MODEL_FILES)
     assert (folder / "model-00002-of-00002.safetensors").read_bytes() == b"shard two"
+
+
+def test_tokenizer_download_leaves_the_weights(hub):
+    folder = resolve_tokenizer("qwen/tiny")
+
+    tokenizer_files = {name for name in MODEL_FILES if not name.startswith(("model", "generation"))}
+    assert files_in(folder) == tokenizer_files
+    assert hub.fetched_files("qwen/tiny") == tokenizer_files
+    with pytest.raises(QLoraError, match="repo 'qwen/bin-only' .* has no tokenizer.json"):
+        resolve_tokenizer("qwen/bin-only")
 
 
 def test_revision_selects_that_revisions_files(hub):

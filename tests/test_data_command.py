@@ -1,0 +1,118 @@
+"""`qlora data CONFIG`: statistics and highlighted examples from the tokenizer alone; every bad input one
+line and exit 2."""
+
+import re
+import shutil
+
+import pytest
+import yaml
+from test_data import DEMO_MODEL, write_jsonl
+
+from qlora_cli.config import load_config
+from qlora_cli.data import BatchPlan
+from qlora_cli.data_report import data_report, highlighted
+
+
+@pytest.fixture
+def tokenizer_only_model(tmp_path):
+    """The demo model's config and tokenizer without its weights: `qlora data` must not need them."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MODEL / name, folder / name)
+    return folder
+
+
+SHAREGPT_ROWS = [
+    {"conversations": [{"from": "human", "value": f"Count to {n}."}, {"from": "gpt", "value": " ".join(map(str, range(1, n + 1)))}]}
+    for n in range(1, 9)
+] + [{"conversations": [{"from": "human", "value": "Only a question"}]}]  # fmt: skip
+
+
+def write_config(tmp_path, model, dataset=None, **keys):
+    data = write_jsonl(tmp_path / "chats.jsonl", SHAREGPT_ROWS)
+    config = {
+        "base_model": str(model),
+        "datasets": [{"path": str(data), "type": "sharegpt", **(dataset or {})}],
+        "sequence_len": 64,
+        "sample_packing": True,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        **keys,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_data_prints_statistics_and_highlighted_examples(tmp_path, run_cli, tokenizer_only_model):
+    config = write_config(tmp_path, tokenizer_only_model, val_set_size=2)
+    code, out, err = run_cli("data", config, "--show", "2")
+    assert code == 0, err
+    report = data_report(load_config(config))
+    tokens = sum(len(e.input_ids) for e in report.train)
+    trained = sum(label != -100 for e in report.train for label in e.labels)
+    assert len(report.train) == 6 and len(report.validation) == 2
+    assert report.datasets[0].dropped == 1
+    assert f"training examples: 6 ({tokens:,} tokens, {trained:,} trained;" in out
+    assert "evaluation examples: 2" in out
+    assert "chats.jsonl: dropped 1 rows with no turn of a trained role (their roles: user)" in out.replace(
+        "\n", ""
+    )
+    assert f"packing efficiency {report.fill:.1%}" in out
+    plan = BatchPlan(
+        report.train, micro_batch_size=2, sequence_len=64, sample_packing=True, seed=42, pad_token_id=0
+    )
+    assert report.fill == tokens / (len(plan.rows) * 64)
+    assert "example 0" in out and "example 1" in out and "example 2" not in out
+    first = report.train[0]
+    answer = report.tokenizer.decode(
+        [first.input_ids[t + 1] for t, label in enumerate(first.labels) if label != -100]
+    )
+    assert answer.endswith("<|im_end|>") and f"⟦{answer}⟧" in out
+    assert "<|im_start|>user\nCount to" in out
+    assert "human" not in out and "gpt" not in out
+
+
+def test_highlighting_marks_exactly_the_trained_tokens(tmp_path, tokenizer_only_model):
+    report = data_report(load_config(write_config(tmp_path, tokenizer_only_model)))
+    for example in report.train:
+        text = highlighted(example, report.tokenizer, color=False).plain
+        trained = [example.input_ids[t + 1] for t, label in enumerate(example.labels) if label != -100]
+        marked = "".join(piece.split("⟧")[0] for piece in text.split("⟦")[1:])
+        assert marked == report.tokenizer.decode(trained)
+        assert marked.endswith("<|im_end|>") and "<|im_start|>" not in marked
+
+
+def test_data_without_packing_reports_padding(tmp_path, run_cli, tokenizer_only_model):
+    code, out, err = run_cli("data", write_config(tmp_path, tokenizer_only_model, sample_packing=False))
+    assert code == 0, err
+    assert "padded rows;" in out and "packing efficiency" not in out
+
+
+@pytest.mark.parametrize(
+    "dataset, keys, message",
+    [
+        ({"type": "oasst"}, {}, "type 'oasst' is not a dataset format qlora reads"),
+        ({}, {"chat_template": "llama3"}, "'llama3' is not available for Qwen models"),
+        ({}, {"chat_template": "jinja"}, "'jinja' needs the template in chat_template_jinja"),
+        ({"split": "validation"}, {}, "is one file, which is the split 'train'; it has no split 'validation'"),
+        ({"split": "train[:x%]"}, {}, "'x%' is not a row index or a percent"),
+        ({"roles_to_train": ["system"]}, {}, "every one of the 9 rows of .* was dropped: 9 rows with no turn of a trained role"),
+        ({"path": "missing/chats.jsonl"}, {}, "dataset file or folder 'missing/chats.jsonl' does not exist"),
+        ({"message_property_mappings": "from"}, {}, r"config key 'datasets\[0\]\.message_property_mappings': expected a mapping"),
+        ({"train_on_eos": "sometimes"}, {}, r"config key 'datasets\[0\]\.train_on_eos': expected one of 'turn', 'all', 'last', 'none'"),
+        ({"field_messages": "messages"}, {}, r"chats\.jsonl:1: missing field 'messages'"),
+        ({}, {"val_set_size": 0.1, "test_datasets": [{"path": "x.jsonl"}]}, "'test_datasets' and 'val_set_size' both"),
+        ({}, {"sequence_len": 100000}, "above the model's maximum"),
+    ],
+)  # fmt: skip
+def test_bad_data_input_is_one_line_and_exit_2(
+    tmp_path, run_cli, tokenizer_only_model, dataset, keys, message
+):
+    config = write_config(tmp_path, tokenizer_only_model, dataset, **keys)
+    code, out, err = run_cli("data", config)
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert out == ""

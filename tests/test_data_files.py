@@ -1,0 +1,245 @@
+"""Dataset files: every format read to the same rows, files chosen by split as the hub does, split slices,
+data_files, subsets, and hub dataset repos in parquet."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.ipc
+import pyarrow.parquet
+import pytest
+from fake_hub import FakeHub, FakeRepo, use_fake_hub
+from test_data import DEMO_MODEL
+
+from qlora_cli.config import DatasetConfig
+from qlora_cli.data import load_examples, local_dataset
+from qlora_cli.data_files import parse_split, read_rows, read_split
+from qlora_cli.errors import QLoraError
+from qlora_cli.tokenizer import ChatTokenizer
+
+ROWS = [
+    {"instruction": f"Say {word}.", "input": "" if n % 2 else "politely", "output": word.upper()}
+    for n, word in enumerate(["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"])
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ChatTokenizer.from_folder(DEMO_MODEL)
+
+
+def write(path, rows, how):
+    """Write rows in one of the formats datasets and users write them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows)
+    if how == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif how == "json-list":
+        path.write_text(json.dumps(rows, indent=1))
+    elif how == "json-lines":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif how == "parquet":
+        pyarrow.parquet.write_table(table, path)
+    elif how == "csv":
+        pyarrow.csv.write_csv(table, path)
+    elif how in ("arrow-file", "arrow-stream"):
+        open_writer = pyarrow.ipc.new_file if how == "arrow-file" else pyarrow.ipc.new_stream
+        with pa.OSFile(str(path), "wb") as sink, open_writer(sink, table.schema) as writer:
+            writer.write_table(table)
+    return path
+
+
+FORMATS = {
+    "jsonl": "rows.jsonl",
+    "json-list": "rows.json",
+    "json-lines": "rows.json",
+    "parquet": "rows.parquet",
+    "csv": "rows.csv",
+    "arrow-file": "rows.arrow",
+    "arrow-stream": "rows.arrow",
+}
+
+
+@pytest.mark.parametrize("how", list(FORMATS))
+def test_each_format_reads_the_same_rows_and_examples(tok, tmp_path, how):
+    path = write(tmp_path / FORMATS[how], ROWS, how)
+    assert [row for _, row in read_rows(path)] == ROWS
+    reference = load_examples(DatasetConfig(path=str(write(tmp_path / "ref.jsonl", ROWS, "jsonl"))), tok, 256)
+    examples = load_examples(DatasetConfig(path=str(path)), tok, 256)
+    assert [e.input_ids for e in examples] == [e.input_ids for e in reference]
+    assert [e.labels for e in examples] == [e.labels for e in reference]
+
+
+def test_csv_cells_stay_text(tmp_path):
+    path = tmp_path / "n.csv"
+    path.write_text("instruction,input,output\nHalf of 7?,,3.50\nDouble 0012?,x,0024\n")
+    rows = [row for _, row in read_rows(path)]
+    assert rows == [
+        {"instruction": "Half of 7?", "input": "", "output": "3.50"},
+        {"instruction": "Double 0012?", "input": "x", "output": "0024"},
+    ]
+
+
+def test_where_names_file_and_row(tok, tmp_path):
+    path = write(tmp_path / "rows.parquet", [{"text": "a"}, {"body": "b"}], "parquet")
+    with pytest.raises(QLoraError, match=r"rows\.parquet: row 1: field 'text' must be a string, got null"):
+        load_examples(DatasetConfig(path=str(path), type="text"), tok, 64)
+
+
+def test_unreadable_files_are_one_line_errors(tok, tmp_path):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(QLoraError, match=r"broken\.parquet: cannot read as parquet"):
+        load_examples(DatasetConfig(path=str(broken)), tok, 64)
+    lines = tmp_path / "bad.json"
+    lines.write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(QLoraError, match=r"bad\.json:2: not valid JSON"):
+        load_examples(DatasetConfig(path=str(lines), type="text"), tok, 64)
+    no_suffix = write(tmp_path / "rows.data", ROWS, "parquet")
+    with pytest.raises(QLoraError, match=r"unsupported dataset file type '\.data'"):
+        load_examples(DatasetConfig(path=str(no_suffix)), tok, 64)
+    assert len(load_examples(DatasetConfig(path=str(no_suffix), ds_type="parquet"), tok, 256)) == len(ROWS)
+
+
+# ----- splits -----
+
+
+def words(rows):
+    return [row["output"] for _, row in rows]
+
+
+ALL = [r["output"] for r in ROWS]
+
+
+@pytest.mark.parametrize(
+    "split, expected",
+    [
+        ("train", ALL),
+        ("train[:20%]", ALL[:2]),
+        ("train[10%:30%]", ALL[1:3]),
+        ("train[-30%:]", ALL[7:]),
+        ("train[2:5]", ALL[2:5]),
+        ("train[:3]", ALL[:3]),
+        ("train[-2:]", ALL[-2:]),
+        ("train[4]", [ALL[4]]),
+        ("train[:2]+train[-1:]", ALL[:2] + ALL[-1:]),
+        ("train[50:]", []),
+    ],
+)
+def test_split_slices(tmp_path, split, expected):
+    path = write(tmp_path / "rows.jsonl", ROWS, "jsonl")
+    assert words(read_split(path, split)) == expected
+
+
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("train[:x%]", r"'x%' is not a row index or a percent"),
+        ("train[]", "empty brackets"),
+        ("train(1)", "is not a split expression"),
+        ("train[40]", r"row 40 is out of range \(10 rows\)"),
+        ("test", "is one file, which is the split 'train'; it has no split 'test'"),
+    ],
+)
+def test_bad_splits_are_refused(tmp_path, split, message):
+    path = write(tmp_path / "rows.jsonl", ROWS, "jsonl")
+    with pytest.raises(QLoraError, match=message):
+        read_split(path, split)
+
+
+def test_parse_split_keeps_bounds_as_written():
+    assert [p.text for p in parse_split("train[:20%] + test[3:]")] == ["train[:20%]", "test[3:]"]
+
+
+def test_folder_trains_only_on_the_asked_split(tmp_path):
+    folder = tmp_path / "repo"
+    write(folder / "data" / "train-00000-of-00002.parquet", ROWS[:4], "parquet")
+    write(folder / "data" / "train-00001-of-00002.parquet", ROWS[4:8], "parquet")
+    write(folder / "data" / "test-00000-of-00001.parquet", ROWS[8:], "parquet")
+    assert words(read_split(folder, "train")) == ALL[:8]
+    assert words(read_split(folder, "test")) == ALL[8:]
+    assert words(read_split(folder, "train[-25%:]")) == ALL[6:8]
+    assert words(read_split(folder, "train+test")) == ALL
+    with pytest.raises(QLoraError, match=r"has no split 'validation' \(its splits: test, train\)"):
+        read_split(folder, "validation")
+
+
+def test_split_keywords_and_custom_split_names(tmp_path):
+    folder = tmp_path / "named"
+    write(folder / "training.jsonl", ROWS[:3], "jsonl")
+    write(folder / "dev.jsonl", ROWS[3:5], "jsonl")
+    write(folder / "eval" / "part.jsonl", ROWS[5:6], "jsonl")
+    assert words(read_split(folder, "train")) == ALL[:3]
+    assert words(read_split(folder, "validation")) == ALL[3:5]
+    assert words(read_split(folder, "test")) == ALL[5:6]
+    custom = tmp_path / "custom"
+    write(custom / "data" / "train_sft-00000-of-00001.parquet", ROWS[:2], "parquet")
+    write(custom / "data" / "test_sft-00000-of-00001.parquet", ROWS[2:3], "parquet")
+    assert words(read_split(custom, "train_sft")) == ALL[:2]
+    assert words(read_split(custom, "test_sft")) == ALL[2:3]
+
+
+def test_save_to_disk_folders_skip_their_metadata(tmp_path):
+    folder = tmp_path / "saved"
+    write(folder / "train" / "data-00000-of-00001.arrow", ROWS[:6], "arrow-stream")
+    write(folder / "test" / "data-00000-of-00001.arrow", ROWS[6:], "arrow-stream")
+    for name in ("train/state.json", "train/dataset_info.json", "test/state.json", "dataset_dict.json"):
+        (folder / name).write_text('{"_data_files": []}')
+    assert words(read_split(folder, "train")) == ALL[:6]
+    assert words(read_split(folder, "test")) == ALL[6:]
+
+
+def test_a_folder_without_split_names_is_train(tmp_path):
+    folder = tmp_path / "plain"
+    write(folder / "b.jsonl", ROWS[5:], "jsonl")
+    write(folder / "a.csv", ROWS[:5], "csv")
+    assert words(read_split(folder, "train")) == ALL
+    with pytest.raises(QLoraError, match=r"no split 'test' \(its splits: train\)"):
+        read_split(folder, "test")
+
+
+def test_data_files_and_subsets(tmp_path):
+    folder = tmp_path / "repo"
+    write(folder / "main" / "train.jsonl", ROWS[:4], "jsonl")
+    write(folder / "main" / "test.jsonl", ROWS[4:6], "jsonl")
+    write(folder / "extra" / "train.jsonl", ROWS[6:], "jsonl")
+    assert words(read_split(folder, "train", subset="extra")) == ALL[6:]
+    assert words(read_split(folder, "test", subset="main")) == ALL[4:6]
+    with pytest.raises(QLoraError, match=r"no subset 'other' \(its folders: extra, main\)"):
+        read_split(folder, "train", subset="other")
+    assert words(read_split(folder, "train", data_files="extra/train.jsonl")) == ALL[6:]
+    assert words(read_split(folder, "train[:1]", data_files=["main/test.jsonl", "extra/*.jsonl"])) == ALL[4:5]
+    by_split = {"train": "main/train.jsonl", "validation": ["main/test.jsonl"]}
+    assert words(read_split(folder, "validation", data_files=by_split)) == ALL[4:6]
+    with pytest.raises(QLoraError, match="data_files 'nothing/\\*.jsonl' matches no file"):
+        read_split(folder, "train", data_files="nothing/*.jsonl")
+    with pytest.raises(QLoraError, match=r"split 'test' is not in data_files \(it names train, validation\)"):
+        read_split(folder, "test", data_files=by_split)
+
+
+# ----- hub dataset repos -----
+
+
+def parquet_bytes(rows):
+    sink = pa.BufferOutputStream()
+    pyarrow.parquet.write_table(pa.Table.from_pylist(rows), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_hub_parquet_repo_reads_the_asked_split(tok, monkeypatch, tmp_path):
+    files = {
+        "data/train-00000-of-00001.parquet": parquet_bytes(ROWS[:7]),
+        "data/test-00000-of-00001.parquet": parquet_bytes(ROWS[7:]),
+        "README.md": b"# rows",
+    }
+    with FakeHub({"org/rows": FakeRepo({"main": files}, repo_type="dataset")}) as hub:
+        use_fake_hub(monkeypatch, hub, tmp_path / "hf_home")
+        train = local_dataset(DatasetConfig(path="org/rows", split="train[:50%]"))
+        test = local_dataset(DatasetConfig(path="org/rows", split="test"))
+    assert train.path != "org/rows"
+    assert len(load_examples(train, tok, 256)) == 4  # 50% of 7 rows, rounded to the closest
+    examples = load_examples(test, tok, 256)
+    reference = load_examples(
+        DatasetConfig(path=str(write(tmp_path / "t.jsonl", ROWS[7:], "jsonl"))), tok, 256
+    )
+    assert [e.input_ids for e in examples] == [e.input_ids for e in reference]
