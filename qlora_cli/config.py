@@ -59,7 +59,12 @@ class DatasetConfig:
     field_prompt: str = "prompt"
     field_completion: str = "completion"
     field_text: str = "text"
-    field: str | None = None
+    chat_template: str | None = None
+    chat_template_jinja: str | None = None
+    shards: int | None = field(default=None, metadata=_range(1, None))
+    shards_idx: int = field(default=0, metadata=_range(0, None))
+    trust_remote_code: bool = False
+    field: str | None = None  # last: the name `field` hides dataclasses.field in the class body below it
 
     def __post_init__(self):
         # Axolotl's train_on_eos is a word; a boolean (qlora's older form) means turn or none.
@@ -288,9 +293,22 @@ def _dataset_problems(config: TrainConfig) -> list[str]:
     problems = []
     for key, datasets in (("datasets", config.datasets), ("test_datasets", config.test_datasets)):
         for index, dataset in enumerate(datasets):
+            where = f"config key '{key}[{index}]"
             problem = type_problem(dataset.type)
             if problem:
-                problems.append(f"config key '{key}.{index}.type': {problem}")
+                problems.append(f"{where}.type': {problem}")
+            problem = template_problem(dataset.chat_template, dataset.chat_template_jinja)
+            if problem:
+                problems.append(f"{key}[{index}]: {problem}")
+            if dataset.shards is not None and dataset.shards_idx >= dataset.shards:
+                problems.append(
+                    f"{where}.shards_idx': {dataset.shards_idx} is not below shards {dataset.shards}"
+                )
+            if dataset.trust_remote_code:
+                problems.append(
+                    f"{where}.trust_remote_code': qlora never runs a dataset's loading script; "
+                    "point path at its data files (parquet, json, csv, arrow) instead"
+                )
     problem = template_problem(config.chat_template, config.chat_template_jinja)
     if problem:
         problems.append(problem)

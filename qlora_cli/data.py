@@ -47,6 +47,8 @@ class DatasetSpec(prompts.DatasetSpec, Protocol):
     name: str | None
     data_files: str | list[str] | dict[str, str | list[str]] | None
     ds_type: str | None
+    shards: int | None
+    shards_idx: int
 
 
 @dataclass
@@ -81,6 +83,13 @@ def _to_example(ids: list[int], trained: list[bool], sequence_len: int) -> tuple
     return Example(input_ids=ids, labels=labels), truncated
 
 
+def _shard(rows: list, shards: int, index: int) -> list:
+    """The index-th of `shards` contiguous, nearly equal parts (the first ones one row longer)."""
+    size, extra = divmod(len(rows), shards)
+    start = index * size + min(index, extra)
+    return rows[start : start + size + (index < extra)]
+
+
 def load_examples(
     dataset: DatasetSpec,
     tokenizer: ChatTokenizer,
@@ -101,6 +110,8 @@ def load_examples(
     rows = read_split(
         path, dataset.split, data_files=dataset.data_files, subset=dataset.name, file_format=dataset.ds_type
     )
+    if dataset.shards is not None:
+        rows = _shard(rows, dataset.shards, dataset.shards_idx)
     if not rows:
         raise QLoraError(f"{path}: dataset has no rows (split '{dataset.split}')")
     variables = template_variables or {}
@@ -224,9 +235,13 @@ def _load_all(
 ) -> list[tuple[str, ExampleList]]:
     loaded = []
     for dataset in datasets:
+        if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
+            chosen = choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
+        else:
+            chosen = choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
         examples = load_examples(
             local_dataset(dataset),
-            tokenizer,
+            chosen,
             config.sequence_len,
             train_on_inputs=config.train_on_inputs,
             template_variables=config.chat_template_kwargs,
@@ -256,7 +271,6 @@ def prepare_data(config: DataConfig, tokenizer: ChatTokenizer) -> PreparedData:
 
     Evaluation examples come from test_datasets when there are any, else val_set_size holds them out.
     """
-    tokenizer = choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
     loaded = _load_all(config.datasets, tokenizer, config, "datasets")
     examples = [example for _, dataset_examples in loaded for example in dataset_examples]
     duplicates = 0

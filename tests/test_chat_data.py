@@ -347,3 +347,27 @@ def test_chat_template_kwargs_reach_the_template(tok, tmp_path):
     example = prepare_data(config, tok).train[0]
     assert tok.decode(example.input_ids).startswith("hey Be brief.<|im_end|>hey Reverse")
     assert json.dumps(config.chat_template_kwargs) == '{"greeting": "hey"}'
+
+
+def test_a_dataset_can_choose_its_own_chat_template(tok, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", [{"messages": CONVERSATION[1:3]}])
+    config = data_config(
+        tmp_path, [{"messages": CONVERSATION[1:3]}], sequence_len=512, chat_template="qwen_25",
+        dataset={"chat_template_jinja": "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"},
+    )  # fmt: skip
+    config.datasets.append(DatasetConfig(path=str(other), type="chat_template"))
+    own, shared = (tok.decode(e.input_ids) for e in prepare_data(config, tok).train)
+    assert own == "user: Reverse: cat, sun<|im_end|>assistant: sun, cat<|im_end|>"
+    assert shared.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+
+
+def test_dataset_problems_are_reported_together(tmp_path):
+    with pytest.raises(QLoraError) as error:
+        data_config(
+            tmp_path, [], chat_template="llama3",
+            dataset={"type": "oasst", "shards": 2, "shards_idx": 2, "trust_remote_code": True},
+        )  # fmt: skip
+    message = str(error.value)
+    for part in ("'datasets[0].type': type 'oasst'", "'llama3' is not available", "shards_idx': 2 is not below shards 2",
+                 "never runs a dataset's loading script"):  # fmt: skip
+        assert part in message

@@ -243,3 +243,16 @@ def test_hub_parquet_repo_reads_the_asked_split(tok, monkeypatch, tmp_path):
         DatasetConfig(path=str(write(tmp_path / "t.jsonl", ROWS[7:], "jsonl"))), tok, 256
     )
     assert [e.input_ids for e in examples] == [e.input_ids for e in reference]
+
+
+def test_shards_take_contiguous_parts(tok, tmp_path):
+    path = write(tmp_path / "rows.jsonl", ROWS, "jsonl")
+    parts = [
+        [
+            tok.decode(e.input_ids)
+            for e in load_examples(DatasetConfig(path=str(path), shards=3, shards_idx=i), tok, 256)
+        ]
+        for i in range(3)
+    ]
+    every = [tok.decode(e.input_ids) for e in load_examples(DatasetConfig(path=str(path)), tok, 256)]
+    assert [len(p) for p in parts] == [4, 3, 3] and parts[0] + parts[1] + parts[2] == every
