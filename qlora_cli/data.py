@@ -223,7 +223,13 @@ def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> s
 
 
 def local_dataset(dataset):
-    """The dataset entry with a hub dataset repo id replaced by the folder it downloads to."""
+    """The dataset entry with a hub dataset repo id replaced by the folder it downloads to.
+
+    `path: json` (or parquet, csv, arrow) with data_files is the `datasets` idiom for local files:
+    data_files are then relative to the working directory.
+    """
+    if dataset.path in ("json", "parquet", "csv", "arrow") and dataset.data_files is not None:
+        return dataclasses.replace(dataset, path=".", ds_type=dataset.ds_type or dataset.path)
     if Path(dataset.path).exists():
         return dataset
     folder = resolve_dataset(dataset.path, dataset.revision)

@@ -134,9 +134,14 @@ def files_by_split(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
 
 
 def _named_files(root: Path, patterns: list[str], where: str) -> list[Path]:
+    """The files glob patterns name, relative to root (an absolute pattern stands alone)."""
     files: list[Path] = []
     for pattern in patterns:
-        found = sorted(p for p in root.glob(pattern) if p.is_file()) if root.is_dir() else []
+        base, relative = root, pattern
+        if Path(pattern).is_absolute():
+            base = Path(Path(pattern).anchor)
+            relative = str(Path(pattern).relative_to(base))
+        found = sorted(p for p in base.glob(relative) if p.is_file()) if base.is_dir() else []
         if not found:
             raise QLoraError(f"{where}: data_files {pattern!r} matches no file in {root}")
         files += [p for p in found if p not in files]

@@ -2,6 +2,7 @@
 data_files, subsets, and hub dataset repos in parquet."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.csv
@@ -256,3 +257,14 @@ def test_shards_take_contiguous_parts(tok, tmp_path):
     ]
     every = [tok.decode(e.input_ids) for e in load_examples(DatasetConfig(path=str(path)), tok, 256)]
     assert [len(p) for p in parts] == [4, 3, 3] and parts[0] + parts[1] + parts[2] == every
+
+
+def test_builder_name_paths_read_data_files_from_the_working_directory(tok, tmp_path, monkeypatch):
+    write(tmp_path / "data" / "rows.parquet", ROWS[:3], "parquet")
+    absolute = write(tmp_path / "elsewhere" / "rows.jsonl", ROWS[3:5], "jsonl")
+    monkeypatch.chdir(tmp_path)
+    relative = local_dataset(DatasetConfig(path="parquet", data_files="data/*.parquet"))
+    assert words(read_split(Path(relative.path), "train", data_files=relative.data_files)) == ALL[:3]
+    assert len(load_examples(relative, tok, 256)) == 3
+    by_absolute = local_dataset(DatasetConfig(path="json", data_files=[str(absolute)]))
+    assert len(load_examples(by_absolute, tok, 256)) == 2
