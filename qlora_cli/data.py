@@ -101,7 +101,7 @@ def load_examples(
     """Read, render and tokenize one dataset; rows that leave no trained token are dropped and counted.
 
     `dataset.path` is a local file or folder (hub repos are downloaded before). No BOS is added; the
-    end-of-sequence token ends every non-chat row, trained unless train_on_eos is none.
+    end-of-sequence token ends alpaca, completion and text rows, trained unless train_on_eos is none.
     """
     if sequence_len < 2:
         raise QLoraError(f"sequence_len must be at least 2, got {sequence_len}")
