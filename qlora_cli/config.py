@@ -29,6 +29,22 @@ def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = 
 
 
 @dataclass
+class InstructionFormat:
+    """`type:` as a mapping: the prompt is `system_format` (when there is a system text) followed by
+    `format` ({instruction}, {input}) or, for rows without input, `no_input_format`; without `format`,
+    Alpaca's layout with these field names."""
+
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    field_system: str = "system"
+    system_prompt: str = ""
+    system_format: str = "{system}"
+    format: str | None = None
+    no_input_format: str | None = None
+
+
+@dataclass
 class DatasetConfig:
     """One entry of `datasets` (or `test_datasets`), with Axolotl's keys; qlora_cli/prompts.py renders rows.
 
@@ -37,7 +53,7 @@ class DatasetConfig:
     """
 
     path: str
-    type: str = "alpaca"
+    type: str | InstructionFormat = "alpaca"
     split: str = "train"
     revision: str | None = None
     name: str | None = None
@@ -296,7 +312,7 @@ def _dataset_problems(config: TrainConfig) -> list[str]:
             where = f"config key '{key}[{index}]"
             problem = type_problem(dataset.type)
             if problem:
-                problems.append(f"{where}.type': {problem}")
+                problems.append(f"{where}.type': {problem.removeprefix('type.')}")
             problem = template_problem(dataset.chat_template, dataset.chat_template_jinja)
             if problem:
                 problems.append(f"{key}[{index}]: {problem}")

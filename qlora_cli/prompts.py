@@ -80,8 +80,37 @@ TYPE_NAMES = tuple(_TYPES)
 COMMON_TYPES = "chat_template, sharegpt, alpaca, alpaca_chat, alpaca:chatml, completion, text, input_output"
 
 
-def type_problem(name: str) -> str | None:
+class InstructionFormat(Protocol):
+    """`type:` given as a mapping (config.InstructionFormat): Axolotl's user-defined instruction format."""
+
+    field_instruction: str
+    field_input: str
+    field_output: str
+    field_system: str
+    system_prompt: str
+    system_format: str
+    format: str | None
+    no_input_format: str | None
+
+
+def _format_problem(form: InstructionFormat) -> str | None:
+    for key in ("system_format", "format", "no_input_format"):
+        text = getattr(form, key)
+        try:
+            if text is not None:
+                text.format(system="s", instruction="i", input="n")
+        except (KeyError, IndexError, ValueError, AttributeError) as error:
+            return (
+                f"type.{key} {text!r} is not a format string with {{system}}, {{instruction}} or {{input}} "
+                f"({type(error).__name__}: {error}); double other braces: {{{{ }}}}"
+            )
+    return None
+
+
+def type_problem(name: str | InstructionFormat) -> str | None:
     """Why a dataset `type` cannot be read, naming what to use instead; None when it can."""
+    if not isinstance(name, str):
+        return _format_problem(name)
     if name in TYPE_NAMES:
         return None
     return (
@@ -90,17 +119,17 @@ def type_problem(name: str) -> str | None:
     )
 
 
-def prompt_format(name: str) -> PromptFormat:
+def prompt_format(name: str | InstructionFormat) -> PromptFormat:
     problem = type_problem(name)
     if problem:
         raise QLoraError(problem)
-    return _TYPES[name]
+    return _TYPES[name] if isinstance(name, str) else PromptFormat("alpaca", "user_defined")
 
 
 class DatasetSpec(Protocol):
     """The fields of config.DatasetConfig read here."""
 
-    type: str
+    type: str | InstructionFormat
     field_messages: str | None
     message_property_mappings: dict[str, str]
     message_field_role: str | None
@@ -148,10 +177,12 @@ def _end_token(spec: DatasetSpec, tokenizer: ChatTokenizer) -> tuple[str, bool]:
 
 
 def _alpaca(row: dict, where: str, spec: DatasetSpec, style: str, tokenizer: ChatTokenizer, **kw) -> Rendered:
-    instruction = string_field(row, spec.field_instruction, where)
-    context = string_field(row, spec.field_input, where, optional=True)
-    output = string_field(row, spec.field_output, where)
-    system = string_field(row, spec.field_system, where, optional=True)
+    names = spec.type if style == "user_defined" else spec
+    instruction = string_field(row, names.field_instruction, where)
+    context = string_field(row, names.field_input, where, optional=True)
+    output = string_field(row, names.field_output, where)
+    system = string_field(row, names.field_system, where, optional=True)
+    end = _end_token(spec, tokenizer)
     if style in ("chatml", "chat_template"):
         user = f"{instruction}\n{context}" if context.strip() else instruction
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
@@ -160,12 +191,21 @@ def _alpaca(row: dict, where: str, spec: DatasetSpec, style: str, tokenizer: Cha
         if style == "chatml":
             tokenizer = tokenizer.with_chat_template(CHATML, "chat_template chatml")
         return _chat_turns(messages, where, spec, tokenizer, **kw)
+    if style == "user_defined":
+        form = spec.type
+        system = system or form.system_prompt
+        if form.format is not None:
+            layout = form.format if context.strip() or form.no_input_format is None else form.no_input_format
+            prompt = form.system_format.format(system=system) if system else ""
+            prompt += layout.format(instruction=instruction, input=context)
+            return Rendered([(prompt, kw["train_on_inputs"]), (output, True), end])
+        style = "instruct"
     with_input, without_input = ALPACA_STYLES[style]
     if context.strip():
         prompt = (system or ALPACA_SYSTEM) + with_input.format(instruction=instruction, input=context)
     else:
         prompt = (system or ALPACA_SYSTEM_NO_INPUT) + without_input.format(instruction=instruction)
-    return Rendered([(prompt, kw["train_on_inputs"]), (output, True), _end_token(spec, tokenizer)])
+    return Rendered([(prompt, kw["train_on_inputs"]), (output, True), end])
 
 
 def _completion(row: dict, where: str, spec: DatasetSpec, tokenizer: ChatTokenizer, **kw) -> Rendered:

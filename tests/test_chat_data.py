@@ -371,3 +371,36 @@ def test_dataset_problems_are_reported_together(tmp_path):
     for part in ("'datasets[0].type': type 'oasst'", "'llama3' is not available", "shards_idx': 2 is not below shards 2",
                  "never runs a dataset's loading script"):  # fmt: skip
         assert part in message
+
+
+def test_a_mapping_type_is_a_user_defined_instruction_format(tok, tmp_path):
+    rows = [{"q": "2+2?", "ctx": "", "a": "4"}, {"q": "Add", "ctx": "1, 2", "a": "3", "sys": "Be exact."}]
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    names = {"field_instruction": "q", "field_input": "ctx", "field_output": "a", "field_system": "sys"}
+    formats = {"format": "[INST] {instruction}\n{input} [/INST]", "no_input_format": "[INST] {instruction} [/INST]",
+               "system_format": "<<SYS>>{system}<</SYS>>"}  # fmt: skip
+    config = config_from_dict(
+        {"base_model": str(DEMO_MODEL), "datasets": [{"path": str(path), "type": {**names, **formats}}]}
+    )
+    first, second = prepare_data(config, tok).train
+    assert_pieces(tok, first, [("[INST] 2+2? [/INST]", False), ("4", True), (tok.eos_token, True)])
+    assert_pieces(
+        tok,
+        second,
+        [("<<SYS>>Be exact.<</SYS>>[INST] Add\n1, 2 [/INST]", False), ("3", True), (tok.eos_token, True)],
+    )
+    alpaca = config_from_dict(
+        {"base_model": str(DEMO_MODEL), "datasets": [{"path": str(path), "type": names}]}
+    )
+    assert tok.decode(prepare_data(alpaca, tok).train[0].input_ids).endswith(
+        "### Instruction:\n2+2?\n\n### Response:\n4" + tok.eos_token
+    )
+    with pytest.raises(
+        QLoraError, match=r"'datasets\[0\]\.type': format '\{question\}' is not a format string"
+    ):
+        config_from_dict(
+            {
+                "base_model": str(DEMO_MODEL),
+                "datasets": [{"path": str(path), "type": {"format": "{question}"}}],
+            }
+        )
