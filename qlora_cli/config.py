@@ -139,6 +139,7 @@ class TrainConfig:
     chat_template_jinja: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     dataset_exact_deduplication: bool = False
+    excess_length_strategy: Literal["truncate", "drop"] = "truncate"
 
     @property
     def target_modules(self) -> list[str]:

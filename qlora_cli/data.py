@@ -36,6 +36,7 @@ IGNORE_INDEX = -100
 WRONG_ROLES = "no turn of a trained role"
 EMPTY = "nothing to train (empty response)"
 TOO_LONG = "no trained token within sequence_len"
+LONGER = "more tokens than sequence_len (excess_length_strategy: drop)"
 
 
 class DatasetSpec(prompts.DatasetSpec, Protocol):
@@ -97,11 +98,13 @@ def load_examples(
     *,
     train_on_inputs: bool = False,
     template_variables: dict | None = None,
+    drop_long: bool = False,
 ) -> ExampleList:
     """Read, render and tokenize one dataset; rows that leave no trained token are dropped and counted.
 
     `dataset.path` is a local file or folder (hub repos are downloaded before). No BOS is added; the
     end-of-sequence token ends alpaca, completion and text rows, trained unless train_on_eos is none.
+    Rows longer than sequence_len are cut, or dropped with drop_long.
     """
     if sequence_len < 2:
         raise QLoraError(f"sequence_len must be at least 2, got {sequence_len}")
@@ -130,6 +133,9 @@ def load_examples(
             piece = next(flat_ids)
             ids += piece
             trained += [is_trained] * len(piece)
+        if drop_long and len(ids) > sequence_len:
+            result.dropped[LONGER] += 1
+            continue
         example, was_cut = _to_example(ids, trained, sequence_len)
         if any(label != IGNORE_INDEX for label in example.labels):
             result.truncated += was_cut
@@ -186,6 +192,7 @@ class DataConfig(Protocol):
     chat_template_jinja: str | None
     chat_template_kwargs: dict
     dataset_exact_deduplication: bool
+    excess_length_strategy: str
 
 
 @dataclass
@@ -251,6 +258,7 @@ def _load_all(
             config.sequence_len,
             train_on_inputs=config.train_on_inputs,
             template_variables=config.chat_template_kwargs,
+            drop_long=config.excess_length_strategy == "drop",
         )
         if not examples:
             raise QLoraError(

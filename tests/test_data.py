@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qlora_cli.config import DatasetConfig
-from qlora_cli.data import TOO_LONG, BatchPlan, Example, load_examples, split_validation
+from qlora_cli.data import LONGER, TOO_LONG, BatchPlan, Example, load_examples, split_validation
 from qlora_cli.errors import QLoraError
 from qlora_cli.tokenizer import ChatTokenizer
 
@@ -237,6 +237,18 @@ def test_truncation_and_dropping_are_counted(tok, tmp_path):
     full_ids = tok.encode("x") + tok.encode(" one two three four five six seven eight nine ten")
     assert cut.input_ids == full_ids[:8]
     assert cut.labels == full_ids[1:8] + [MASK]
+
+
+def test_rows_longer_than_sequence_len_can_be_dropped(tok, tmp_path):
+    rows = [
+        {"prompt": "short", "completion": " answer"},
+        {"prompt": "x", "completion": " one two three four five six"},
+    ]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    examples = load_examples(dataset(path, "completion"), tok, 6, drop_long=True)
+    assert len(examples) == 1 and examples.truncated == 0
+    assert examples.dropped == {LONGER: 1}
+    assert examples[0].input_ids == tok.encode("short") + tok.encode(" answer") + [tok.eos_token_id]
 
 
 def test_demo_dataset_loads(tok):
