@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import random
 from collections import Counter
@@ -25,7 +26,7 @@ import torch
 
 from qlora_cli import prompts
 from qlora_cli.chat_templates import choose_template
-from qlora_cli.data_files import read_split
+from qlora_cli.data_files import files_for_split, read_split
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import resolve_dataset
 from qlora_cli.tokenizer import ChatTokenizer
@@ -230,7 +231,8 @@ def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> s
 
 
 def local_dataset(dataset):
-    """The dataset entry with a hub dataset repo id replaced by the folder it downloads to.
+    """The dataset entry with a hub dataset repo id replaced by the folder it downloads to (only the
+    asked split's files, when the files name splits).
 
     `path: json` (or parquet, csv, arrow) with data_files is the `datasets` idiom for local files:
     data_files are then relative to the working directory.
@@ -239,7 +241,10 @@ def local_dataset(dataset):
         return dataclasses.replace(dataset, path=".", ds_type=dataset.ds_type or dataset.path)
     if Path(dataset.path).exists():
         return dataset
-    folder = resolve_dataset(dataset.path, dataset.revision)
+    choose = None
+    if dataset.data_files is None:
+        choose = functools.partial(files_for_split, split=dataset.split, subset=dataset.name)
+    folder = resolve_dataset(dataset.path, dataset.revision, choose=choose)
     return dataclasses.replace(dataset, path=str(folder))
 
 

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from qlora_cli.errors import QLoraError
@@ -119,18 +119,36 @@ def _split_of(relative: str) -> str | None:
     return None
 
 
-def files_by_split(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
-    """Files grouped by split; a folder whose file names name no split is all `train`, as on the hub."""
-    splits: dict[str, list[Path]] = {}
-    for file in files:
-        relative = file.relative_to(folder).with_suffix("").as_posix()
-        splits.setdefault(_split_of(relative) or "", []).append(file)
+def group_by_split(names: list[str]) -> dict[str, list[str]]:
+    """Relative file names grouped by split; names that name no split are all `train`, as on the hub."""
+    splits: dict[str, list[str]] = {}
+    for name in names:
+        splits.setdefault(_split_of(str(PurePosixPath(name).with_suffix(""))) or "", []).append(name)
     unnamed = splits.pop("", [])
     if not splits:
         return {"train": unnamed}
     if unnamed:
         splits.setdefault("train", []).extend(unnamed)
     return splits
+
+
+def files_for_split(names: list[str], split: str, subset: str | None = None) -> list[str]:
+    """Of a dataset repo's data files (relative names), those a split expression reads; all of them when
+    a split is not there, so that reading can name the splits there are."""
+    prefix = f"{subset}/" if subset else ""
+    grouped = group_by_split(
+        [
+            n.removeprefix(prefix)
+            for n in names
+            if n.startswith(prefix) and PurePosixPath(n).name not in METADATA_FILES
+        ]
+    )
+    chosen: list[str] = []
+    for part in parse_split(split):
+        if part.name not in grouped:
+            return names
+        chosen += [prefix + n for n in grouped[part.name] if prefix + n not in chosen]
+    return chosen
 
 
 def _named_files(root: Path, patterns: list[str], where: str) -> list[Path]:
@@ -188,11 +206,14 @@ def split_files(
     files = _data_files_in(folder)
     if not files:
         raise QLoraError(f"{folder}: folder has no {', '.join(DATA_SUFFIXES)} files")
-    grouped = files_by_split(folder, files)
-    return grouped.get(split) or _no_split(where, split, grouped)
+    by_name = {file.relative_to(folder).as_posix(): file for file in files}
+    grouped = group_by_split(list(by_name))
+    if split not in grouped:
+        _no_split(where, split, grouped)
+    return [by_name[name] for name in grouped[split]]
 
 
-def _no_split(where: str, split: str, grouped: dict[str, list[Path]]) -> list[Path]:
+def _no_split(where: str, split: str, grouped: dict) -> list[Path]:
     raise QLoraError(f"{where} has no split '{split}' (its splits: {', '.join(sorted(grouped))})")
 
 

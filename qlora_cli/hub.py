@@ -7,10 +7,12 @@ downloaded before is used as is.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import importlib
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ class _HubRepo:
     patterns: tuple[str, ...]
     required_suffixes: tuple[str, ...]
     missing_files_message: str
+    choose: Callable[[list[str]], list[str]] | None = None
 
     @property
     def name(self) -> str:
@@ -134,8 +137,13 @@ def resolve_dataset(
     *,
     token: str | None = None,
     cache_dir: str | Path | None = None,
+    choose: Callable[[list[str]], list[str]] | None = None,
 ) -> Path:
-    """Local data file or folder, or the folder of a hub dataset repo's data files (qlora_cli/data_files.py)."""
+    """Local data file or folder, or the folder of a hub dataset repo's data files (qlora_cli/data_files.py).
+
+    choose: given the repo's data files, the ones to download (e.g. one split's); offline, the cache
+    holds what it holds.
+    """
     local = _existing_local_path(
         path_or_repo, revision, noun="dataset file or folder", file_suffixes=_DATASET_SUFFIXES
     )
@@ -148,6 +156,7 @@ def resolve_dataset(
         patterns=DATASET_FILE_PATTERNS,
         required_suffixes=_DATASET_SUFFIXES,
         missing_files_message="has no .jsonl, .json, .parquet, .arrow or .csv files; qlora reads only those formats",
+        choose=choose,
     )
     return _download(repo, token=token, cache_dir=cache_dir)
 
@@ -183,9 +192,14 @@ def _download(repo: _HubRepo, *, token: str | None, cache_dir: str | Path | None
     """Snapshot of the wanted files; checks the file list first so nothing is fetched from an unusable repo."""
     offline = _offline_mode_requested()
     with _as_qlora_errors(repo, offline_mode=offline):
+        patterns = list(repo.patterns)
         if not offline:
             try:
-                _require_files(repo, _remote_files(repo, token))
+                remote = _remote_files(repo, token)
+                _require_files(repo, remote)
+                if repo.choose is not None:
+                    wanted = [n for n in remote if any(fnmatch.fnmatch(n, p) for p in repo.patterns)]
+                    patterns = [glob.escape(name) for name in repo.choose(wanted)] or patterns
             except _unreachable_errors():
                 offline = True
             except HfHubHTTPError as error:
@@ -197,7 +211,7 @@ def _download(repo: _HubRepo, *, token: str | None, cache_dir: str | Path | None
                 repo.repo_id,
                 repo_type=repo.repo_type,
                 revision=repo.revision,
-                allow_patterns=list(repo.patterns),
+                allow_patterns=patterns,
                 token=token,
                 cache_dir=cache_dir,
                 local_files_only=offline,

@@ -14,7 +14,7 @@ from test_data import DEMO_MODEL
 
 from qlora_cli.config import DatasetConfig
 from qlora_cli.data import load_examples, local_dataset
-from qlora_cli.data_files import parse_split, read_rows, read_split
+from qlora_cli.data_files import files_for_split, parse_split, read_rows, read_split
 from qlora_cli.errors import QLoraError
 from qlora_cli.tokenizer import ChatTokenizer
 
@@ -236,7 +236,14 @@ def test_hub_parquet_repo_reads_the_asked_split(tok, monkeypatch, tmp_path):
     with FakeHub({"org/rows": FakeRepo({"main": files}, repo_type="dataset")}) as hub:
         use_fake_hub(monkeypatch, hub, tmp_path / "hf_home")
         train = local_dataset(DatasetConfig(path="org/rows", split="train[:50%]"))
+        assert hub.fetched_files("org/rows") == {"data/train-00000-of-00001.parquet"}
         test = local_dataset(DatasetConfig(path="org/rows", split="test"))
+        assert hub.fetched_files("org/rows") == {
+            f"data/{split}-00000-of-00001.parquet" for split in ("train", "test")
+        }
+        hub.clear_requests()
+        with pytest.raises(QLoraError, match=r"has no split 'validation' \(its splits: test, train\)"):
+            load_examples(local_dataset(DatasetConfig(path="org/rows", split="validation")), tok, 256)
     assert train.path != "org/rows"
     assert len(load_examples(train, tok, 256)) == 4  # 50% of 7 rows, rounded to the closest
     examples = load_examples(test, tok, 256)
@@ -268,3 +275,16 @@ def test_builder_name_paths_read_data_files_from_the_working_directory(tok, tmp_
     assert len(load_examples(relative, tok, 256)) == 3
     by_absolute = local_dataset(DatasetConfig(path="json", data_files=[str(absolute)]))
     assert len(load_examples(by_absolute, tok, 256)) == 2
+
+
+def test_files_for_split_picks_the_split_expressions_files():
+    names = [
+        "data/train-00000-of-00002.parquet",
+        "data/train-00001-of-00002.parquet",
+        "data/test-00000-of-00001.parquet",
+    ]
+    assert files_for_split(names, "train[:10%]") == names[:2]
+    assert files_for_split(names, "test+train[-1:]") == [names[2], *names[:2]]
+    assert files_for_split(names, "validation") == names
+    subsets = ["main/train.jsonl", "main/test.jsonl", "extra/train.jsonl", "extra/dataset_info.json"]
+    assert files_for_split(subsets, "train", subset="extra") == ["extra/train.jsonl"]
