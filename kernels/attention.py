@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
 
 if TRITON_AVAILABLE:
     import triton
@@ -140,57 +140,34 @@ if TRITON_AVAILABLE:
         D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
-        """Online softmax over key blocks [key_lo, key_hi); CAUSAL blocks straddle the diagonal."""
-        if PIPELINED:
-            for start_n in range(key_lo, key_hi, BLOCK_N):
-                acc, row_max, row_sum = _fwd_block(
-                    acc,
-                    row_max,
-                    row_sum,
-                    q,
-                    k_base,
-                    v_base,
-                    stride_ks,
-                    stride_vs,
-                    offs_m,
-                    row_doc_start,
-                    start_n,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_N,
-                    PRECISION,
-                )
-        else:
-            start_n = key_lo
-            while start_n < key_hi:
-                acc, row_max, row_sum = _fwd_block(
-                    acc,
-                    row_max,
-                    row_sum,
-                    q,
-                    k_base,
-                    v_base,
-                    stride_ks,
-                    stride_vs,
-                    offs_m,
-                    row_doc_start,
-                    start_n,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_N,
-                    PRECISION,
-                )
-                start_n += BLOCK_N
+        """Online softmax over key blocks [key_lo, key_hi); CAUSAL blocks straddle the diagonal.
+
+        The three block loops run one `for` form both ways: compiled, Triton software-pipelines it;
+        interpreted, its tensor bounds need a Triton newer than 3.6 under NumPy 2.4.
+        """
+        for start_n in range(key_lo, key_hi, BLOCK_N):
+            acc, row_max, row_sum = _fwd_block(
+                acc,
+                row_max,
+                row_sum,
+                q,
+                k_base,
+                v_base,
+                stride_ks,
+                stride_vs,
+                offs_m,
+                row_doc_start,
+                start_n,
+                seq_len,
+                qk_scale_log2,
+                CAUSAL,
+                HAS_DOCS,
+                HEAD_DIM,
+                D_PAD,
+                BLOCK_N,
+                PRECISION,
+            )
         return acc, row_max, row_sum
 
     @triton.jit
@@ -223,7 +200,6 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
         """One program per (query block, batch x query head); writes O and the base-2 logsumexp."""
         start_m = tl.program_id(0) * BLOCK_M
@@ -273,7 +249,6 @@ if TRITON_AVAILABLE:
             D_PAD,
             BLOCK_N,
             PRECISION,
-            PIPELINED,
         )
         acc, row_max, row_sum = _fwd_block_loop(
             acc,
@@ -296,7 +271,6 @@ if TRITON_AVAILABLE:
             D_PAD,
             BLOCK_N,
             PRECISION,
-            PIPELINED,
         )
 
         out = acc / row_sum[:, None]
@@ -422,64 +396,35 @@ if TRITON_AVAILABLE:
         D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
         """Accumulate one query head's dK, dV contribution over query blocks [query_lo, query_hi).
 
         Works on transposed tiles (keys x queries) so both products contract without extra transposes.
         """
-        if PIPELINED:
-            for start_m in range(query_lo, query_hi, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q_base,
-                    dout_base,
-                    lse_base,
-                    delta_base,
-                    doc_start_base,
-                    stride_qs,
-                    stride_dos,
-                    offs_n,
-                    start_m,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_M,
-                    PRECISION,
-                )
-        else:
-            start_m = query_lo
-            while start_m < query_hi:
-                dk, dv = _dkdv_block(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q_base,
-                    dout_base,
-                    lse_base,
-                    delta_base,
-                    doc_start_base,
-                    stride_qs,
-                    stride_dos,
-                    offs_n,
-                    start_m,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_M,
-                    PRECISION,
-                )
-                start_m += BLOCK_M
+        for start_m in range(query_lo, query_hi, BLOCK_M):
+            dk, dv = _dkdv_block(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                dout_base,
+                lse_base,
+                delta_base,
+                doc_start_base,
+                stride_qs,
+                stride_dos,
+                offs_n,
+                start_m,
+                seq_len,
+                qk_scale_log2,
+                CAUSAL,
+                HAS_DOCS,
+                HEAD_DIM,
+                D_PAD,
+                BLOCK_M,
+                PRECISION,
+            )
         return dk, dv
 
     @triton.jit
@@ -523,7 +468,6 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
         """One program per (key block, batch x kv head); loops over the group's query heads, so no atomics."""
         start_n = tl.program_id(0) * BLOCK_N
@@ -580,7 +524,6 @@ if TRITON_AVAILABLE:
                 D_PAD,
                 BLOCK_M,
                 PRECISION,
-                PIPELINED,
             )
             dk, dv = _dkdv_block_loop(
                 dk,
@@ -605,7 +548,6 @@ if TRITON_AVAILABLE:
                 D_PAD,
                 BLOCK_M,
                 PRECISION,
-                PIPELINED,
             )
 
         dk_base = DK + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh
@@ -686,59 +628,31 @@ if TRITON_AVAILABLE:
         D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
         """Accumulate dQ of one query block over key blocks [key_lo, key_hi)."""
-        if PIPELINED:
-            for start_n in range(key_lo, key_hi, BLOCK_N):
-                dq = _dq_block(
-                    dq,
-                    q,
-                    dout,
-                    lse,
-                    delta,
-                    k_base,
-                    v_base,
-                    stride_ks,
-                    stride_vs,
-                    offs_m,
-                    row_doc_start,
-                    start_n,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_N,
-                    PRECISION,
-                )
-        else:
-            start_n = key_lo
-            while start_n < key_hi:
-                dq = _dq_block(
-                    dq,
-                    q,
-                    dout,
-                    lse,
-                    delta,
-                    k_base,
-                    v_base,
-                    stride_ks,
-                    stride_vs,
-                    offs_m,
-                    row_doc_start,
-                    start_n,
-                    seq_len,
-                    qk_scale_log2,
-                    CAUSAL,
-                    HAS_DOCS,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_N,
-                    PRECISION,
-                )
-                start_n += BLOCK_N
+        for start_n in range(key_lo, key_hi, BLOCK_N):
+            dq = _dq_block(
+                dq,
+                q,
+                dout,
+                lse,
+                delta,
+                k_base,
+                v_base,
+                stride_ks,
+                stride_vs,
+                offs_m,
+                row_doc_start,
+                start_n,
+                seq_len,
+                qk_scale_log2,
+                CAUSAL,
+                HAS_DOCS,
+                HEAD_DIM,
+                D_PAD,
+                BLOCK_N,
+                PRECISION,
+            )
         return dq
 
     @triton.jit
@@ -777,7 +691,6 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        PIPELINED: tl.constexpr,
     ):
         """One program per (query block, batch x query head), walking the same key range as the forward."""
         start_m = tl.program_id(0) * BLOCK_M
@@ -829,7 +742,6 @@ if TRITON_AVAILABLE:
             D_PAD,
             BLOCK_N,
             PRECISION,
-            PIPELINED,
         )
         dq = _dq_block_loop(
             dq,
@@ -853,7 +765,6 @@ if TRITON_AVAILABLE:
             D_PAD,
             BLOCK_N,
             PRECISION,
-            PIPELINED,
         )
         dq_base = DQ + batch.to(tl.int64) * stride_dqb + head * stride_dqh
         tl.store(
@@ -906,12 +817,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pipelined_loops() -> bool:
-    """Compiled kernels loop with `for`, which Triton software-pipelines. The interpreter (Triton 3.6
-    with NumPy 2.4) cannot take a tensor as a `range` bound, so interpreted runs loop with `while`."""
-    return not interpreting()
-
-
 def _launch_forward(q, k, v, doc_start, scale):
     """Returns the output [B, S, Hq, D] and the base-2 logsumexp [B, Hq, S] in fp32."""
     batch, seq_len, n_q_heads, head_dim = q.shape
@@ -946,7 +851,6 @@ def _launch_forward(q, k, v, doc_start, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_dot_precision(q.dtype),
-        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -1012,7 +916,6 @@ def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=precision,
-        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -1044,7 +947,6 @@ def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=precision,
-        PIPELINED=_pipelined_loops(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
