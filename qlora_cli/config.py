@@ -126,6 +126,17 @@ class TrainConfig:
     save_steps: int | None = field(default=None, metadata=_range(1, None))
     save_total_limit: int | None = field(default=None, metadata=_range(1, None))
     logging_steps: int = field(default=1, metadata=_range(1, None))
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_name: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_run_id: str | None = None
+    wandb_watch: bool | Literal["false", "gradients", "parameters", "all"] | None = None
+    wandb_log_model: bool | Literal["false", "checkpoint", "end"] | None = None
+    use_tensorboard: bool = False
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment_name: str | None = None
+    mlflow_run_name: str | None = None
     seed: int = 42
     bf16: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["auto"] = True
@@ -165,11 +176,6 @@ IGNORED_KEYS = {
     "model_type": "the model type is read from config.json",
     "tokenizer_type": "the tokenizer is read from the model folder",
     "is_llama_derived_model": "the model type is read from config.json",
-    "wandb_project": "metrics go to metrics.jsonl",
-    "wandb_entity": "metrics go to metrics.jsonl",
-    "wandb_watch": "metrics go to metrics.jsonl",
-    "wandb_name": "metrics go to metrics.jsonl",
-    "wandb_log_model": "metrics go to metrics.jsonl",
 }
 
 # Axolotl keys whose meaning qlora does not implement: refused, since ignoring them would change the run.

@@ -1,8 +1,10 @@
-"""What a person watching a run sees, and the metrics.jsonl a program reads afterwards."""
+"""What a person watching a run sees, train.log that keeps it, and the metrics.jsonl a program reads."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -36,8 +38,92 @@ def memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def step_line(record: dict, total_steps: int, eta_seconds: float | None) -> str:
+    """One plain line for a logged step: the bar's fields, for logs and files that are not terminals."""
+    parts = [f"step {record['step']}/{total_steps}"]
+    if "loss" in record:
+        parts += [
+            f"loss {record['loss']:.4f}",
+            f"lr {record['lr']:.2e}",
+            f"{record['tokens_per_s']:,.0f} tok/s",
+        ]
+        if record.get("memory_gib") is not None:
+            parts.append(f"{record['memory_gib']:.1f} GiB")
+    if "eval_loss" in record:
+        parts += [f"eval_loss {record['eval_loss']:.4f}", f"eval_ppl {record['eval_ppl']:.2f}"]
+    if eta_seconds is not None:
+        parts.append(f"ETA {_duration(eta_seconds)}")
+    return "  ".join(parts)
+
+
+class RunOutput:
+    """What the run prints goes to the console and, as plain timestamped text, to train.log.
+
+    A terminal shows the progress bar and train.log gets a line per logged step; anywhere else
+    (a pipe, a file, a job scheduler's log) those lines go to the console too, in place of the bar.
+    """
+
+    def __init__(self, console: Console, log_path: Path | None, total_steps: int, start_step: int):
+        self.console = console
+        self.log_path = log_path
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.started = time.perf_counter()
+        self.file = None
+        self.file_console: Console | None = None
+        live = console.is_terminal or console.is_jupyter
+        self.bar = TrainProgress(console, total_steps, start_step) if live else None
+
+    def __enter__(self) -> RunOutput:
+        if self.log_path is not None:
+            self.file = Path(self.log_path).open("a", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
+            self.file_console = Console(file=self.file, color_system=None, highlight=False, width=1000)
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        if self.file is not None:
+            self.file.close()
+            self.file = self.file_console = None
+
+    def print(self, text: str) -> None:
+        """A message for the person watching, kept in train.log too (rich markup allowed)."""
+        self.console.print(text)
+        self.to_file(text)
+
+    def to_file(self, text: str) -> None:
+        if self.file_console is not None:
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            self.file_console.print(f"{stamp}  {text}", soft_wrap=True)
+            self.file.flush()
+
+    def update(self, record: dict) -> None:
+        """A logged step (training metrics, an evaluation, or both)."""
+        step = record["step"]
+        done = step - self.start_step
+        per_step = (time.perf_counter() - self.started) / done if done > 0 else None
+        eta = None if per_step is None else per_step * (self.total_steps - step)
+        line = step_line(record, self.total_steps, eta)
+        if self.bar is None:
+            self.print(line)
+        else:
+            self.bar.update(step, record)
+            self.to_file(line)
+
+    def advance_to(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.advance_to(step)
+
+
 class TrainProgress:
-    """A rich progress bar with step, loss, lr, tokens/s, memory and ETA."""
+    """A rich progress bar with step, loss, lr, tokens/s, memory and ETA, for a terminal."""
 
     def __init__(self, console: Console, total_steps: int, start_step: int):
         self.progress = Progress(
@@ -59,6 +145,8 @@ class TrainProgress:
         self.progress.stop()
 
     def update(self, step: int, record: dict) -> None:
+        if "loss" not in record:
+            return
         parts = [
             f"loss {record['loss']:.4f}",
             f"lr {record['lr']:.2e}",
