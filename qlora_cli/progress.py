@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qlora_cli.errors import QLoraError
+
 
 class MetricsLog:
     """One JSON object per line; on resume, lines past the resumed step are dropped."""
@@ -63,32 +65,28 @@ def step_line(record: dict, total_steps: int, eta_seconds: float | None) -> str:
 class RunOutput:
     """What the run prints goes to the console and, as plain timestamped text, to train.log.
 
-    A terminal shows the progress bar and train.log gets a line per logged step; anywhere else
-    (a pipe, a file, a job scheduler's log) those lines go to the console too, in place of the bar.
+    train.log is appended to, so a resumed run continues it; an error that ends the run is its last line.
     """
 
-    def __init__(self, console: Console, log_path: Path | None, total_steps: int, start_step: int):
+    def __init__(self, console: Console, log_path: Path | None):
         self.console = console
         self.log_path = log_path
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.started = time.perf_counter()
         self.file = None
         self.file_console: Console | None = None
-        live = console.is_terminal or console.is_jupyter
-        self.bar = TrainProgress(console, total_steps, start_step) if live else None
 
     def __enter__(self) -> RunOutput:
         if self.log_path is not None:
             self.file = Path(self.log_path).open("a", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
             self.file_console = Console(file=self.file, color_system=None, highlight=False, width=1000)
-        if self.bar is not None:
-            self.bar.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
+    def __exit__(self, kind, error, tb) -> None:
+        if isinstance(error, KeyboardInterrupt):
+            self.to_file("interrupted")
+        elif isinstance(error, QLoraError):
+            self.to_file(f"error: {error}")
+        elif error is not None:
+            self.to_file(f"error: {kind.__name__}: {error}")
         if self.file is not None:
             self.file.close()
             self.file = self.file_console = None
@@ -104,18 +102,43 @@ class RunOutput:
             self.file_console.print(f"{stamp}  {text}", soft_wrap=True)
             self.file.flush()
 
+    def progress(self, total_steps: int, start_step: int) -> StepProgress:
+        return StepProgress(self, total_steps, start_step)
+
+
+class StepProgress:
+    """Logged steps as a live bar on a terminal, with a plain line per step in train.log; anywhere
+    else (a pipe, a file, a job scheduler's log) the plain lines go to the console too, for the bar."""
+
+    def __init__(self, output: RunOutput, total_steps: int, start_step: int):
+        self.output = output
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.started = time.perf_counter()
+        console = output.console
+        live = console.is_terminal or console.is_jupyter
+        self.bar = TrainProgress(console, total_steps, start_step) if live else None
+
+    def __enter__(self) -> StepProgress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
     def update(self, record: dict) -> None:
-        """A logged step (training metrics, an evaluation, or both)."""
+        """A logged step: training metrics, an evaluation, or both."""
         step = record["step"]
         done = step - self.start_step
-        per_step = (time.perf_counter() - self.started) / done if done > 0 else None
-        eta = None if per_step is None else per_step * (self.total_steps - step)
+        eta = (time.perf_counter() - self.started) / done * (self.total_steps - step) if done > 0 else None
         line = step_line(record, self.total_steps, eta)
         if self.bar is None:
-            self.print(line)
+            self.output.print(line)
         else:
             self.bar.update(step, record)
-            self.to_file(line)
+            self.output.to_file(line)
 
     def advance_to(self, step: int) -> None:
         if self.bar is not None:
