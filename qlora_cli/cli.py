@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from qlora_cli import __version__
 from qlora_cli.errors import QLoraError
@@ -239,7 +240,7 @@ def main() -> None:
     except QLoraError as err:
         if not other_rank or hasattr(err, "failed_rank"):
             console.quiet = False
-            console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]")

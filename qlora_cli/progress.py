@@ -92,8 +92,9 @@ class RunOutput:
             self.file = self.file_console = None
 
     def print(self, text: str) -> None:
-        """A message for the person watching, kept in train.log too (rich markup allowed)."""
-        self.console.print(text)
+        """A message for the person watching, kept in train.log too (rich markup allowed); long lines
+        are not broken, so that each stays one line in a log file."""
+        self.console.print(text, soft_wrap=True)
         self.to_file(text)
 
     def to_file(self, text: str) -> None:

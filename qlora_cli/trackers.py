@@ -70,6 +70,8 @@ class WandbTracker:
     """A W&B run; metrics are charted against `train/global_step`, so a resumed run's repeated steps
     are kept instead of being dropped as out of order."""
 
+    name = "W&B"
+
     def __init__(self, wandb: ModuleType, config: TrainConfig, output_dir: Path, saved: dict):
         self.wandb = wandb
         self.log_model = "end" if config.wandb_log_model is True else config.wandb_log_model
@@ -121,6 +123,8 @@ class TensorBoardTracker:
     """Event files in output_dir/runs. TensorBoard hides the events of earlier files from the first
     step this run logs on: a resumed run replaces what the interrupted one logged past its checkpoint."""
 
+    name = "TensorBoard"
+
     def __init__(self, tensorboard: ModuleType, config: TrainConfig, output_dir: Path, start_step: int):
         self.log_dir = output_dir / "runs"
         try:
@@ -149,6 +153,7 @@ class TensorBoardTracker:
 class MlflowTracker:
     """An MLflow run with the config as its parameters; resume reopens the run saved in the checkpoint."""
 
+    name = "MLflow"
     STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
     def __init__(self, config: TrainConfig, saved: dict, notes: list[str]):
@@ -206,6 +211,7 @@ class Trackers:
         self.notes: list[str] = []
         self.modules: dict[str, ModuleType] = {}
         self.trackers: list = []
+        self.warn = print
         if config.wandb_project and config.wandb_mode != "disabled":
             self.modules["wandb"] = _require("wandb", "wandb", "wandb_project")
             if config.wandb_watch not in (None, False, "false"):
@@ -225,8 +231,13 @@ class Trackers:
             key = "mlflow_tracking_uri" if config.mlflow_tracking_uri else "mlflow_experiment_name"
             self.modules["mlflow"] = _require("mlflow", "mlflow", key)
 
-    def start(self, output_dir: Path, start_step: int, saved: dict | None) -> Trackers:
-        """Open each run; `saved` is the tracker state of the checkpoint a resumed run starts from."""
+    def start(self, output_dir: Path, start_step: int, saved: dict | None, warn=print) -> Trackers:
+        """Open each run; `saved` is the tracker state of the checkpoint a resumed run starts from.
+
+        `warn` shows a message to the person watching: a tracker that fails while the run trains
+        is dropped with a warning, since a tracking server's outage must not end a training run.
+        """
+        self.warn = warn
         saved = saved or {}
         if "wandb" in self.modules:
             self.trackers.append(WandbTracker(self.modules["wandb"], self.config, output_dir, saved))
@@ -240,12 +251,18 @@ class Trackers:
 
     def log(self, record: dict) -> None:
         metrics = tracker_metrics(record)
-        for tracker in self.trackers:
-            tracker.log(record["step"], metrics)
+        self._each("log", record["step"], metrics)
 
     def saved(self, folder: Path, step: int) -> None:
-        for tracker in self.trackers:
-            tracker.saved(folder, step)
+        self._each("saved", folder, step)
+
+    def _each(self, method: str, *args) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as err:  # the tool's own errors, whatever their class
+                self.trackers.remove(tracker)
+                self.warn(f"[yellow]warning:[/] {tracker.name} stopped logging: {_one_line(err)}")
 
     def state(self) -> dict:
         """What a checkpoint keeps so that resume continues the same tracker runs."""
@@ -265,6 +282,5 @@ class Trackers:
             if isinstance(error, (RunInterrupted, KeyboardInterrupt))
             else "failed"
         )
-        trackers, self.trackers = self.trackers, []
-        for tracker in trackers:
-            tracker.finish(status)
+        self._each("finish", status)
+        self.trackers = []

@@ -23,10 +23,11 @@ from qlora_cli.config import TrainConfig, apply_override, config_from_dict, conf
 from qlora_cli.distributed import Distributed, check_world_size, distributed
 from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
 from qlora_cli.profiler import OpProfiler
-from qlora_cli.progress import MetricsLog, TrainProgress, memory_gib
+from qlora_cli.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.run import Run, build_run
 from qlora_cli.settings import compute_dtype, select_device
 from qlora_cli.step import evaluate, learning_rate, optimizer_step, train_step
+from qlora_cli.trackers import Trackers
 
 # Keys that fix the shape or meaning of the trained weights: a checkpoint cannot continue under others.
 BREAKING_KEYS = (
@@ -142,8 +143,9 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
 
 
-def _save(run: Run, step: int, metrics: list[dict]) -> Path:
-    """Rank 0 writes the checkpoint, with every rank's RNG state; the others wait until it is written."""
+def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
+    """Rank 0 writes the checkpoint, with every rank's RNG state and the tracker runs' ids; the others
+    wait until it is written."""
     plan, dist = run.train_plan, run.dist
     epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
     rng = dist.all_gather_json(_rng_state(run.device))
@@ -157,10 +159,12 @@ def _save(run: Run, step: int, metrics: list[dict]) -> Path:
         "rng": rng,
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
         "metrics": metrics[-100:],
+        "trackers": trackers.state(),
     }
     folder = Path(run.config.output_dir) / f"checkpoint-{step}"
     if dist.is_main:
         folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
+        trackers.saved(folder, step)
     dist.barrier()
     return folder
 
@@ -192,60 +196,66 @@ def _train(
 ) -> TrainResult:
     if not dist.is_main:
         console = Console(quiet=True)
+    trackers = Trackers(config)  # a missing extra stops the run here, before any weights load
     if resume_from is not None:
         check_world_size(resume_from, dist.world_size)
     run = build_run(config, dist, eager=profiler is not None)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    start, metrics = _restore_or_seed(run, resume_from, console)
-    _announce(run, console)
-    log = _metrics_log(run, None if resume_from is None else start)
-    window = MetricWindow(run)
-    last_checkpoint, loss = resume_from, None
-    if run.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(run.device)
-    with StopSignals() as signals, TrainProgress(console, run.total_steps, start) as progress:
-        for step in range(start, run.total_steps):
-            with profiler.step(run.device) if profiler else contextlib.nullcontext():
-                outcome = _run_step(run, step, signals, last_checkpoint)
-            done, loss = step + 1, outcome.loss
-            window.add(outcome)
-            record = window.close(done, outcome.grad_norm) if window.due(done) else None
-            record = _with_evaluation(run, done, record)
-            if record is not None:
-                _publish(record, log, metrics, progress)
-            progress.advance_to(done)
-            if outcome.stop_signal or _checkpoint_due(config, done, run.total_steps):
-                last_checkpoint = _save(run, done, metrics)
-            if outcome.stop_signal:
-                raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
-    if last_checkpoint is not None and dist.is_main:
-        _write_final_adapter(run, last_checkpoint)
+    with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
+        start, metrics, tracker_state = _restore_or_seed(run, resume_from, out)
+        if dist.is_main:
+            trackers.start(output_dir, start, tracker_state, warn=out.print)
+        _announce(run, trackers, out)
+        log = _metrics_log(run, None if resume_from is None else start)
+        window = MetricWindow(run)
+        last_checkpoint, loss = resume_from, None
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+        with StopSignals() as signals, out.progress(run.total_steps, start) as progress:
+            for step in range(start, run.total_steps):
+                with profiler.step(run.device) if profiler else contextlib.nullcontext():
+                    outcome = _run_step(run, step, signals, last_checkpoint)
+                done, loss = step + 1, outcome.loss
+                window.add(outcome)
+                record = window.close(done, outcome.grad_norm) if window.due(done) else None
+                record = _with_evaluation(run, done, record)
+                if record is not None:
+                    _publish(record, log, metrics, progress, trackers)
+                progress.advance_to(done)
+                if outcome.stop_signal or _checkpoint_due(config, done, run.total_steps):
+                    last_checkpoint = _save(run, done, metrics, trackers)
+                if outcome.stop_signal:
+                    raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
+        if last_checkpoint is not None and dist.is_main:
+            _write_final_adapter(run, last_checkpoint)
+        out.to_file(f"finished: {run.total_steps} steps, adapter in {output_dir}")
     return TrainResult(output_dir, run.total_steps, loss, last_checkpoint)
 
 
-def _restore_or_seed(run: Run, resume_from: Path | None, console: Console) -> tuple[int, list[dict]]:
-    """(the step to start at, the metrics so far): a checkpoint's, or a fresh seeded start."""
+def _restore_or_seed(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
+    """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
+    fresh seeded start."""
     if resume_from is None:
         torch.manual_seed(run.config.seed + run.dist.rank)
-        return 0, []
+        return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
     _set_rng_state(state["rng"][run.dist.rank], run.device)
-    console.print(f"resuming from {resume_from} at step {state['step']}")
-    return state["step"], list(state.get("metrics", []))
+    out.print(f"resuming from {resume_from} at step {state['step']}")
+    return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
 
 
-def _announce(run: Run, console: Console) -> None:
-    for note in run.notes:
-        console.print(f"[yellow]note:[/] {note}")
+def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
+    for note in run.notes + trackers.notes:
+        out.print(f"[yellow]note:[/] {note}")
     n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
-    console.print(
+    out.print(
         f"{run.model.spec.model_type} · {run.model.spec.num_layers} layers · "
         f"{'NF4' if run.config.quantize else 'unquantized'} base · {n_trainable:,} trainable parameters · "
         f"{run.train_plan.num_batches} micro-batches per epoch · {run.total_steps} steps on {run.device}"
     )
     if run.dist.active:
-        console.print(f"data parallel over {run.dist.world_size} processes ({run.dist.device.type})")
+        out.print(f"data parallel over {run.dist.world_size} processes ({run.dist.device.type})")
 
 
 def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
@@ -279,12 +289,15 @@ def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:
     return record
 
 
-def _publish(record: dict, log: MetricsLog | None, metrics: list[dict], progress: TrainProgress) -> None:
+def _publish(
+    record: dict, log: MetricsLog | None, metrics: list[dict], progress: StepProgress, trackers: Trackers
+) -> None:
+    """One logged step, to metrics.jsonl, the checkpoint's history, the screen and the trackers."""
     if log is not None:
         log.write(record)
     metrics.append(record)
-    if "loss" in record:
-        progress.update(record["step"], record)
+    progress.update(record)
+    trackers.log(record)
 
 
 def _checkpoint_due(config: TrainConfig, done: int, total_steps: int) -> bool:

@@ -1,6 +1,7 @@
 """What a person watching sees: plain step lines where there is no terminal, and train.log."""
 
 import io
+import json
 import re
 
 import pytest
@@ -27,7 +28,7 @@ def test_step_line_has_step_loss_lr_throughput_memory_and_eta():
 
 def _console(terminal: bool) -> tuple[Console, io.StringIO]:
     stream = io.StringIO()
-    return Console(file=stream, force_terminal=terminal, force_jupyter=False, width=200), stream
+    return Console(file=stream, force_terminal=terminal, force_jupyter=False, width=40), stream
 
 
 def test_without_a_terminal_each_logged_step_is_a_plain_line_on_the_console_and_in_train_log(tmp_path):
@@ -88,3 +89,33 @@ def test_without_a_log_path_nothing_is_written(tmp_path):
         progress.update({**RECORD, "step": 2})
     assert stream.getvalue().startswith("step 2/2")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.usefixtures("reference_ops")
+def test_qlora_train_without_a_terminal_prints_step_lines_and_keeps_them_in_train_log(tmp_path, run_cli):
+    """Four steps logged every two, then a resume to six: the console shows a line per logged step,
+    and train.log keeps both runs, the resume appended."""
+    from checkpoints import write_run
+
+    config = write_run(tmp_path / "run", max_steps=4, logging_steps=2)
+    code, _, err = run_cli("train", config)
+    assert code is None or code == 0, err
+    out = tmp_path / "run" / "out"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split("  ETA")[0] for line in lines] == [
+        f"step {r['step']}/4  loss {r['loss']:.4f}  lr {r['lr']:.2e}  {r['tokens_per_s']:,.0f} tok/s"
+        for r in records
+    ]
+    assert all(re.search(r"  ETA \d+:\d\d:\d\d$", line) for line in lines)
+
+    code, _, err = run_cli("resume", out, "--set", "max_steps=6")
+    assert code is None or code == 0, err
+    kept = [re.sub(STAMP, "", line) for line in (out / "train.log").read_text().splitlines()]
+    assert kept[0].startswith("qwen3 · 2 layers")
+    steps = [line.split("  loss")[0] for line in kept if line.startswith("step ")]
+    assert steps == ["step 2/4", "step 4/4", "step 6/6"]
+    assert kept.index(f"finished: 4 steps, adapter in {out}") < kept.index(
+        f"resuming from {out / 'checkpoint-4'} at step 4"
+    )
+    assert kept[-1] == f"finished: 6 steps, adapter in {out}"

@@ -224,6 +224,21 @@ def test_mlflow_run_missing_from_the_store_starts_a_new_one(tmp_path, mlflow_sto
     ]
 
 
+def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(tmp_path, mlflow_store):
+    """A tracking store gone away must not end the training run: the tracker stops, the run goes on."""
+    import shutil
+
+    warnings = []
+    with Trackers(_config(mlflow_tracking_uri=mlflow_store)) as trackers:
+        trackers.start(tmp_path, 0, None, warn=warnings.append)
+        trackers.log(RECORDS[0])
+        shutil.rmtree(tmp_path / "mlruns")
+        trackers.log(RECORDS[1])
+        assert trackers.trackers == [] and trackers.state() == {}
+    (warning,) = warnings
+    assert warning.startswith("[yellow]warning:[/] MLflow stopped logging: ") and "\n" not in warning
+
+
 def test_mlflow_unusable_tracking_uri_is_one_line(tmp_path):
     pytest.importorskip("mlflow")
     with pytest.raises(QLoraError, match=r"^MLflow could not start a run at bogus://store: [^\n]+$"):
@@ -262,3 +277,47 @@ def test_missing_extra_is_one_line_before_any_weights_load(tmp_path, keys, modul
         f"error: config key '{key}' needs the {extra} extra: pip install 'qlora-cli[{extra}]'"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.usefixtures("reference_ops")
+def test_a_run_and_its_resume_log_to_the_same_tracker_runs(tmp_path, offline_wandb, mlflow_store):
+    """Two steps, then `resume` to four: W&B and MLflow continue one run, TensorBoard one log, and
+    each holds the losses of metrics.jsonl."""
+    import json
+
+    from checkpoints import write_run
+    from mlflow.tracking import MlflowClient
+
+    from qlora_cli.config import load_config
+    from qlora_cli.train import resume, train
+
+    trackers = dict(
+        wandb_project="qlora-tests",
+        wandb_mode="offline",
+        use_tensorboard=True,
+        mlflow_tracking_uri=mlflow_store,
+        mlflow_experiment_name="tiny",
+    )
+    path = write_run(tmp_path / "run", max_steps=2, logging_steps=2, **trackers)
+    out = train(load_config(path)).output_dir
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["trackers"]
+    assert set(state) == {"wandb_run_id", "mlflow_run_id"}
+    resume(out, overrides=["max_steps=4"])
+    losses = [
+        (r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert [step for step, _ in losses] == [2, 4]
+
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert [wandb_run(run)["id"] for run in runs] == [state["wandb_run_id"]] * 2
+    rows = [row for run in runs for row in wandb_run(run)["history"]]
+    assert [(row["train/global_step"], row["train/loss"]) for row in rows] == losses
+
+    assert tensorboard_scalars(out / "runs")["train/loss"] == [
+        (s, pytest.approx(v, rel=1e-6)) for s, v in losses
+    ]
+
+    client = MlflowClient(tracking_uri=mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert run.info.run_id == state["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == losses
