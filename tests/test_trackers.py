@@ -147,6 +147,17 @@ def test_wandb_run_id_from_the_config_names_the_run(tmp_path, offline_wandb):
     assert wandb_run(run_dir)["id"] == "chosen1"
 
 
+def test_wandb_log_model_checkpoint_uploads_each_checkpoints_adapter(tmp_path, offline_wandb):
+    config = _config(wandb_project="p", wandb_mode="offline", wandb_log_model="checkpoint")
+    with Trackers(config).start(tmp_path, 0, None) as trackers:
+        for step in (1, 2):
+            trackers.saved(_adapter(tmp_path / f"checkpoint-{step}"), step)
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = wandb_run(run_dir)
+    name = f"adapter-{run['id']}"
+    assert run["artifacts"] == [(name, {"step-1", "latest"}), (name, {"step-2", "latest"})]
+
+
 def test_wandb_notes_and_disabled_mode(tmp_path):
     watched = Trackers(_config(wandb_project="p", wandb_mode="disabled", wandb_watch="gradients"))
     assert watched.modules == {} and watched.notes == []
