@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qlora_cli.chunked_mlp import SlicedMLP, slice_tokens
 from qlora_cli.config import ALL_PROJECTIONS
 from qlora_cli.hub import resolve_model
+from qlora_cli.offload import HostOffloader, OffloadedLayer
 from qlora_cli.profiler import timed
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.attention import attention
@@ -201,6 +203,17 @@ class DecoderLayer(nn.Module):
         return x, residual
 
     def _mlp(self, h):
+        """The MLP, over slices of tokens when the row is long (qlora_cli/chunked_mlp.py)."""
+        tokens = h.numel() // h.shape[-1]
+        per_slice = slice_tokens(tokens, self.spec.intermediate_size, h.element_size())
+        if per_slice == tokens:
+            return self._mlp_whole(h)
+        mlp = [self.projections["gate_up"], self.projections["down"]]
+        trainables = [p for group in mlp for p in group.parameters() if p.requires_grad]
+        dropout = bool(self.training and any(group.dropout for group in mlp))
+        return SlicedMLP.apply(self._mlp_whole, Recompute(), Recompute.active, per_slice, dropout, h, *trainables)
+
+    def _mlp_whole(self, h):
         """gate/up → SwiGLU → down, with LoRA's B of gate/up and A of down done inside SwiGLU
         (kernels.swiglu). Down's LoRA input is h itself unless LoRA dropout is on; then down
         takes h and runs its own LoRA."""
@@ -234,9 +247,12 @@ class QLoRAModel(nn.Module):
         *,
         attention_backend: str = "auto",
         checkpoint_layers: int = 0,
+        offload_activations: bool = False,
     ):
         super().__init__()
         self.spec = spec
+        self.offload_activations = offload_activations
+        self.offloader: HostOffloader | None = None
         self.lora = lora
         self.layers = nn.ModuleList(
             DecoderLayer(spec, lora, attention_backend) for _ in range(spec.num_layers)
@@ -276,6 +292,7 @@ class QLoRAModel(nn.Module):
         revision: str | None = None,
         attention_backend: str = "auto",
         checkpoint_layers: int = 0,
+        offload_activations: bool = False,
         seed: int = 0,
     ) -> QLoRAModel:
         """Resolve, stream and (on the target device) quantize a checkpoint, one tensor at a time.
@@ -295,6 +312,7 @@ class QLoRAModel(nn.Module):
             device,
             attention_backend=attention_backend,
             checkpoint_layers=checkpoint_layers,
+            offload_activations=offload_activations,
             seed=seed,
         )
         model.load_base(stream_tensors(folder, spec), quantize=quantize, dtype=dtype)
@@ -353,6 +371,9 @@ class QLoRAModel(nn.Module):
             if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
                 # A recomputed layer keeps only its input: hand it the residual stream as one tensor.
                 stream = x if residual is None else x + residual
+                if self.offload_activations:
+                    x, residual = self._offloaded(i, stream, position_ids, doc_ids)
+                    continue
                 x, residual = checkpoint(
                     layer,
                     stream,
@@ -370,6 +391,19 @@ class QLoRAModel(nn.Module):
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)
         h, _ = timed("final_norm", add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
         return h
+
+    def _offloaded(self, index: int, stream, position_ids, doc_ids):
+        """Layer `index` recomputed in backward, its input kept in host memory (qlora_cli/offload.py)."""
+        if self.offloader is None:
+            self.offloader = HostOffloader(stream.device, len(self.layers))
+        layer = self.layers[index]
+
+        def run_layer(x):
+            return layer(x, None, position_ids, doc_ids, self.inv_freq)
+
+        trainables = [p for p in layer.parameters() if p.requires_grad]
+        dropout = bool(self.lora and self.lora.dropout)
+        return OffloadedLayer.apply(run_layer, self.offloader, index, Recompute(), dropout, stream, *trainables)
 
     def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; training uses `loss`, which never builds them."""

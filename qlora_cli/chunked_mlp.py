@@ -1,0 +1,73 @@
+"""The MLP over slices of a long row, so no tensor of tokens × intermediate_size exists whole.
+
+gate/up's output, SwiGLU's and their gradients are each tokens × intermediate_size: at 7B and 128K
+tokens, 9.9 GB apiece. The MLP acts on each token alone, so it can run slice by slice with the
+same result. Forward writes each slice's output and keeps only the MLP's input; backward reruns a
+slice's gate/up and SwiGLU (with `recompute` active, so down's forward GEMM is skipped) and
+back-propagates it before the next. A recomputed layer reruns its MLP in backward anyway, so there
+the slicing costs no extra work; its recompute pass gets an output that takes no memory, because
+nothing after the MLP reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from qlora_cli.rng_replay import RngReplay
+
+SLICE_BYTES = 1 << 30  # gate/up's bf16 output for one slice; large enough to keep the GEMMs efficient
+SLICE_MULTIPLE = 256
+
+
+def slice_tokens(tokens: int, intermediate_size: int, element_bytes: int = 2) -> int:
+    """Tokens per slice for a row of `tokens`: the whole row when its gate/up output fits SLICE_BYTES,
+    otherwise equal slices (rounded up to SLICE_MULTIPLE) that each fit."""
+    largest = max(SLICE_MULTIPLE, SLICE_BYTES // (2 * intermediate_size * element_bytes))
+    if tokens <= largest:
+        return tokens
+    slices = math.ceil(tokens / largest)
+    return math.ceil(tokens / slices / SLICE_MULTIPLE) * SLICE_MULTIPLE
+
+
+class SlicedMLP(torch.autograd.Function):
+    """`mlp` applied to `slice_tokens` tokens at a time; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        mlp: Callable[[torch.Tensor], torch.Tensor],
+        recompute,
+        recomputing: bool,
+        slice_tokens: int,
+        replay_rng: bool,
+        h: torch.Tensor,
+        *trainables: torch.Tensor,
+    ):
+        ctx.mlp, ctx.recompute, ctx.slice, ctx.trainables = mlp, recompute, slice_tokens, len(trainables)
+        ctx.rng = RngReplay(h.device, replay_rng)
+        ctx.save_for_backward(h)
+        if recomputing:
+            return h.new_zeros(1).expand(h.shape)
+        rows = h.reshape(-1, h.shape[-1])
+        out = torch.empty_like(rows)
+        for start in range(0, rows.shape[0], slice_tokens):
+            out[start : start + slice_tokens] = mlp(rows[start : start + slice_tokens].unsqueeze(0))[0]
+        return out.view(h.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        rows, grads = h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dh = torch.empty_like(rows)
+        with ctx.rng.replaying():
+            for start in range(0, rows.shape[0], ctx.slice):
+                part = rows[start : start + ctx.slice].unsqueeze(0).detach().requires_grad_(True)
+                with torch.enable_grad(), ctx.recompute:
+                    out = ctx.mlp(part)
+                torch.autograd.backward(out, grads[start : start + ctx.slice].unsqueeze(0))
+                dh[start : start + ctx.slice] = part.grad[0]
+        return (None, None, None, None, None, dh.view(h.shape)) + (None,) * ctx.trainables
+
