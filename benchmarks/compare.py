@@ -1,13 +1,17 @@
 """qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels), same GPU, same run.
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
-       [--runners qlora,qlora-eager,hf,liger] [--checkpointing true|false|auto] [--budget-gb 60]
+       [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
+       [--offload auto|true|false] [--memory-cap-gb 80]
 
 Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
 writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
 each step's forward and backward as a CUDA graph, as `qlora train` does with packed rows; `qlora-eager`
-launches op by op. Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is
-captured) and reserved, MFU and the ratios against HF+PEFT+bnb.
+launches op by op. `unsloth` is Unsloth with the settings its documentation recommends (4-bit
+base, `use_gradient_checkpointing="unsloth"`, which offloads each layer's input to host memory).
+Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is captured) and
+reserved, MFU and the ratios against HF+PEFT+bnb and Unsloth. `--memory-cap-gb` caps every runner's
+GPU memory (torch.cuda.set_per_process_memory_fraction), to show what trains inside a smaller GPU.
 """
 
 from __future__ import annotations
@@ -48,17 +52,24 @@ def _sync(device: str) -> None:
 
 def run_qlora(args, graphs: bool) -> dict:
     from qlora_cli.graphs import GraphedLoss
-    from qlora_cli.memory import layers_to_checkpoint
+    from qlora_cli.memory import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
     from qlora_cli.model import LoRAConfig, QLoRAModel
     from qlora_cli.step import clear_gradients, micro_batch_backward
     from qlora_cli.weights import read_spec
 
     spec = read_spec(args.checkpoint)
     setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
-    recompute = layers_to_checkpoint(setting, spec, args.batch * args.seq, args.budget_gb, 16)
+    offload_setting = {"true": True, "false": False, "auto": "auto"}[args.offload]
+    tokens = args.batch * args.seq
+    offload = offloads_activations(offload_setting, setting, spec, tokens, args.budget_gb, 16, args.device)
+    recompute = layers_to_checkpoint(setting, spec, tokens, args.budget_gb, 16, offload=offload)
     start = time.perf_counter()
     model = QLoRAModel.from_pretrained(
-        args.checkpoint, lora=LoRAConfig(r=16, alpha=32), device=args.device, checkpoint_layers=recompute
+        args.checkpoint,
+        lora=LoRAConfig(r=16, alpha=32),
+        device=args.device,
+        checkpoint_layers=recompute,
+        offload_activations=offload,
     ).train()
     _sync(args.device)
     load_s = time.perf_counter() - start
@@ -73,7 +84,13 @@ def run_qlora(args, graphs: bool) -> dict:
         clear_gradients(optimizer, graphed)
         return loss_sum / count
 
-    return _timed(step, args) | {"load_s": load_s, "recomputed_layers": recompute}
+    estimate = estimated_peak_bytes(spec, tokens, 16, recompute, offload=offload) / 2**30
+    return _timed(step, args) | {
+        "load_s": load_s,
+        "recomputed_layers": recompute,
+        "offloaded": offload,
+        "estimated_peak_gib": estimate,
+    }
 
 
 def run_hf(args, liger: bool) -> dict:
@@ -125,6 +142,45 @@ def run_hf(args, liger: bool) -> dict:
     return _timed(step, args) | {"load_s": load_s}
 
 
+def run_unsloth(args) -> dict:
+    import os
+
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from unsloth import FastLanguageModel
+
+    start = time.perf_counter()
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=args.checkpoint, max_seq_length=args.seq, load_in_4bit=True, dtype=torch.bfloat16
+    )
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    checkpointing = {"true": "unsloth", "false": False, "auto": "unsloth"}[args.checkpointing]
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0,
+        target_modules=targets,
+        use_gradient_checkpointing=checkpointing,
+        random_state=0,
+    )
+    model.train()
+    _sync(args.device)
+    load_s = time.perf_counter() - start
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
+    ids, _ = _batch(model.config.vocab_size, args)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return _timed(step, args) | {"load_s": load_s}
+
+
 def _timed(step, args) -> dict:
     """The peak covers the warm-up too: a CUDA graph takes its memory when it is captured there."""
     if args.device == "cuda":
@@ -151,12 +207,14 @@ RUNNERS = {
     "qlora-eager": lambda a: run_qlora(a, graphs=False),
     "hf": lambda a: run_hf(a, liger=False),
     "liger": lambda a: run_hf(a, liger=True),
+    "unsloth": run_unsloth,
 }
 LABELS = {
     "qlora": "qlora",
     "qlora-eager": "qlora, no graphs",
     "hf": "HF+PEFT+bnb",
     "liger": "HF+PEFT+bnb+Liger",
+    "unsloth": "Unsloth",
 }
 
 
@@ -172,12 +230,23 @@ def main() -> None:
     parser.add_argument(
         "--budget-gb", type=float, default=None, help="memory budget for --checkpointing auto"
     )
+    parser.add_argument(
+        "--offload", choices=["true", "false", "auto"], default="auto", help="qlora's activation_offloading"
+    )
+    parser.add_argument("--memory-cap-gb", type=float, default=None, help="cap each runner's GPU memory")
     parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.checkpointing == "auto" and args.budget_gb is None:
         parser.error("--checkpointing auto needs --budget-gb")
     if args.worker:
+        if args.worker.startswith("qlora"):
+            from qlora_cli.memory import prefer_expandable_segments
+
+            prefer_expandable_segments()
+        if args.memory_cap_gb and args.device == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 2**30 / total))
         print("RESULT " + json.dumps(RUNNERS[args.worker](args)), flush=True)
         return
     with open(f"{args.checkpoint}/config.json") as f:
@@ -194,23 +263,28 @@ def main() -> None:
         results[name] = json.loads(lines[-1][len("RESULT ") :])
         print(f"{LABELS[name]}: {json.dumps(results[name])}", flush=True)
     base = results.get("hf", {}).get("tokens_per_s")
+    anchor = results.get("unsloth", {})
     print(
         f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {args.batch} x {args.seq} tokens, "
         f"gradient checkpointing {args.checkpointing}, "
         f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
     )
     print(
-        f"{'runner':<20}{'tok/s':>10}{'peak GiB':>10}{'reserved':>10}{'MFU':>8}{'vs HF':>8}{'load s':>8}"
-        f"{'loss':>8}"
+        f"{'runner':<20}{'tok/s':>10}{'peak GiB':>10}{'reserved':>10}{'MFU':>8}{'vs HF':>8}"
+        f"{'vs Unsloth':>11}{'memory':>8}{'load s':>8}{'loss':>8}"
     )
     for name, r in results.items():
         mfu = r["tokens_per_s"] * flops / (DATASHEET_BF16_TFLOPS * 1e12)
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        speed = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "-"
+        memory = f"{r['peak_gib'] / anchor['peak_gib']:.2f}x" if anchor else "-"
         print(
             f"{LABELS[name]:<20}{r['tokens_per_s']:>10,.0f}{r['peak_gib']:>10.2f}{r['reserved_gib']:>10.2f}"
-            f"{mfu:>8.1%}{ratio:>8}"
+            f"{mfu:>8.1%}{ratio:>8}{speed:>11}{memory:>8}"
             f"{r['load_s']:>8.1f}{r['loss']:>8.3f}"
         )
+        if "estimated_peak_gib" in r:
+            print(f"{'':<20}planner's estimate of the peak: {r['estimated_peak_gib']:.2f} GiB")
     print("JSON " + json.dumps(results))
 
 

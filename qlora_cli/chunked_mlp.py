@@ -70,4 +70,3 @@ class SlicedMLP(torch.autograd.Function):
                 torch.autograd.backward(out, grads[start : start + ctx.slice].unsqueeze(0))
                 dh[start : start + ctx.slice] = part.grad[0]
         return (None, None, None, None, None, dh.view(h.shape)) + (None,) * ctx.trainables
-

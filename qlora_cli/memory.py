@@ -1,14 +1,21 @@
-"""How many layers recompute their activations in backward, from a memory budget.
+"""GPU memory of a training step: how many layers recompute, whether their inputs go to host
+memory, and the peak that follows.
 
 Recomputing a layer costs about a third more of its forward time; keeping its activations costs
-memory. With `gradient_checkpointing: auto` we keep as many layers as the budget holds.
+memory. With `gradient_checkpointing: auto` we keep as many layers as the budget holds. A
+recomputed layer keeps only its input, and with `activation_offloading` not even that: it waits in
+pinned host memory (qlora_cli/offload.py), copied while the GPU computes.
 """
 
 from __future__ import annotations
 
+import os
+
+from qlora_cli.chunked_mlp import slice_tokens
 from qlora_cli.weights import ModelSpec
 
 BF16 = 2
+HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
 
 
 def frozen_weight_bytes(spec: ModelSpec) -> int:
@@ -54,6 +61,54 @@ def checkpointed_activation_bytes(spec: ModelSpec, tokens: int) -> int:
     return tokens * spec.hidden_size * BF16
 
 
+def recomputed_layer_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
+    """What a recomputed layer holds on the GPU between its forward and its backward."""
+    return 0 if offload else checkpointed_activation_bytes(spec, tokens)
+
+
+def kept_layer_bytes(spec: ModelSpec, tokens: int, lora_r: int, lora_dropout: float = 0.0) -> int:
+    """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
+    backward (kernels.linear, kernels.swiglu)."""
+    return kept_activation_bytes(spec, tokens, lora_dropout) + lora_weights_per_layer(spec, lora_r) * BF16
+
+
+def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
+    """The most one layer's backward holds at once beside what every layer keeps: its rerun's
+    activations and their gradients, tokens × hidden-sized, plus the MLP's share for one slice of
+    tokens (qlora_cli/chunked_mlp.py), plus the two landing buffers of offloaded inputs."""
+    per_token = 12 * spec.hidden_size + 3 * (spec.q_size + 2 * spec.kv_size)
+    mlp = 5 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
+    landing = 2 * spec.hidden_size if offload else 0
+    scratch = max(out * inp for out, inp in spec.projection_shapes().values()) * 2  # dequantized weights
+    return (tokens * (per_token + landing) + mlp) * BF16 + scratch * BF16
+
+
+LOSS_CHUNK = 2**30  # the fused loss's logits chunk and its working set
+
+
+def fixed_bytes(spec: ModelSpec, lora_r: int) -> int:
+    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + LOSS_CHUNK
+
+
+def estimated_peak_bytes(
+    spec: ModelSpec,
+    tokens: int,
+    lora_r: int,
+    recomputed: int,
+    *,
+    offload: bool = False,
+    lora_dropout: float = 0.0,
+) -> int:
+    """The planner's estimate of a step's peak GPU memory (allocated, not reserved)."""
+    kept = spec.num_layers - recomputed
+    return (
+        fixed_bytes(spec, lora_r)
+        + kept * kept_layer_bytes(spec, tokens, lora_r, lora_dropout)
+        + recomputed * recomputed_layer_bytes(spec, tokens, offload)
+        + working_bytes(spec, tokens, offload and recomputed > 0)
+    )
+
+
 def layers_to_checkpoint(
     setting: bool | str,
     spec: ModelSpec,
@@ -61,21 +116,64 @@ def layers_to_checkpoint(
     budget_gb: float | None,
     lora_r: int,
     lora_dropout: float = 0.0,
+    *,
+    offload: bool = False,
 ) -> int:
     """Layers (counted from the first) that recompute in backward."""
     if setting is True:
         return spec.num_layers
     if setting is False or budget_gb is None:
         return 0
-    budget = budget_gb * 2**30
-    loss_chunk = 2**30  # the fused loss's logits chunk and its working set
-    fixed = frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + loss_chunk
-    fixed += spec.num_layers * checkpointed_activation_bytes(spec, tokens)
-    # A kept layer's LoRA ops also hold their A and B in bf16 for backward (kernels.linear, .swiglu).
-    extra_per_kept = (
-        kept_activation_bytes(spec, tokens, lora_dropout)
-        + lora_weights_per_layer(spec, lora_r) * BF16
-        - checkpointed_activation_bytes(spec, tokens)
-    )
-    kept = int(max(0, budget - fixed) // max(1, extra_per_kept))
-    return spec.num_layers - min(spec.num_layers, kept)
+    for recomputed in range(spec.num_layers + 1):
+        peak = estimated_peak_bytes(
+            spec, tokens, lora_r, recomputed, offload=offload, lora_dropout=lora_dropout
+        )
+        if peak <= budget_gb * 2**30:
+            return recomputed
+    return spec.num_layers
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def offloads_activations(
+    setting: bool | str,
+    checkpointing: bool | str,
+    spec: ModelSpec,
+    tokens: int,
+    budget_gb: float | None,
+    lora_r: int,
+    device_type: str,
+    lora_dropout: float = 0.0,
+) -> bool:
+    """`auto`: offload on a GPU whenever layers recompute, if the host has room to pin their inputs.
+
+    The copies run beside the compute, so they cost no time; what they free lets a budget keep more
+    layers. `true` offloads on any device (on the CPU it only exercises the bookkeeping).
+    """
+    if setting != "auto":
+        return bool(setting)
+    if device_type != "cuda":
+        return False
+    if layers_to_checkpoint(checkpointing, spec, tokens, budget_gb, lora_r, lora_dropout) == 0:
+        return False
+    host = host_available_bytes()
+    pinned = spec.num_layers * checkpointed_activation_bytes(spec, tokens)
+    return host is None or pinned <= HOST_SHARE * host
+
+
+def prefer_expandable_segments() -> None:
+    """Keep reserved memory close to allocated: with expandable segments the caching allocator grows
+    one mapping instead of caching blocks of every odd size a long row allocates. Takes effect only
+    before CUDA's allocator starts; a PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF of the user's wins."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"

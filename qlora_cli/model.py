@@ -211,7 +211,9 @@ class DecoderLayer(nn.Module):
         mlp = [self.projections["gate_up"], self.projections["down"]]
         trainables = [p for group in mlp for p in group.parameters() if p.requires_grad]
         dropout = bool(self.training and any(group.dropout for group in mlp))
-        return SlicedMLP.apply(self._mlp_whole, Recompute(), Recompute.active, per_slice, dropout, h, *trainables)
+        return SlicedMLP.apply(
+            self._mlp_whole, Recompute(), Recompute.active, per_slice, dropout, h, *trainables
+        )
 
     def _mlp_whole(self, h):
         """gate/up → SwiGLU → down, with LoRA's B of gate/up and A of down done inside SwiGLU
@@ -403,7 +405,9 @@ class QLoRAModel(nn.Module):
 
         trainables = [p for p in layer.parameters() if p.requires_grad]
         dropout = bool(self.lora and self.lora.dropout)
-        return OffloadedLayer.apply(run_layer, self.offloader, index, Recompute(), dropout, stream, *trainables)
+        return OffloadedLayer.apply(
+            run_layer, self.offloader, index, Recompute(), dropout, stream, *trainables
+        )
 
     def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; training uses `loss`, which never builds them."""

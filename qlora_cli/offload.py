@@ -121,7 +121,8 @@ class OffloadedLayer(torch.autograd.Function):
         x = ctx.offloader.load(ctx.index).detach().requires_grad_(True)
         with ctx.rng.replaying(), torch.enable_grad(), ctx.recompute:
             outputs = ctx.run_layer(x)
-        pairs = [(out, g) for out, g in zip(outputs, grads, strict=True) if g is not None and out.requires_grad]
+        pairs = [
+            (out, g) for out, g in zip(outputs, grads, strict=True) if g is not None and out.requires_grad
+        ]
         torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
         return (None, None, None, None, None, x.grad) + (None,) * ctx.trainables
-

@@ -91,7 +91,9 @@ def test_sliced_mlp_matches_whole_mlp(checkpoint, lora, checkpointed, monkeypatc
     _assert_same(_step(checkpoint, lora, checkpoint_layers=checkpointed, offload_activations=True), whole)
 
 
-@pytest.mark.parametrize("options", [{}, {"checkpoint_layers": 2}, {"checkpoint_layers": 2, "offload_activations": True}])
+@pytest.mark.parametrize(
+    "options", [{}, {"checkpoint_layers": 2}, {"checkpoint_layers": 2, "offload_activations": True}]
+)
 def test_sliced_mlp_with_dropout_replays_its_masks(checkpoint, options, monkeypatch, reference_ops):
     """Slices draw other masks than the whole MLP would, so the check is the gradient itself: along a
     random direction it matches the loss's central difference under the same masks."""
@@ -126,3 +128,116 @@ def test_sliced_mlp_takes_the_slices(checkpoint, monkeypatch, reference_ops):
     loss_sum, _ = model.loss(ids, ids.roll(-1, dims=1))
     loss_sum.backward()
     assert seen == [16] * 6  # three equal slices in forward, then in backward's rerun
+
+
+CUDA = torch.device("cuda")
+
+
+def _gpu_model(layers: int, **options):
+    from dataclasses import replace
+
+    from checkpoints import QWEN25_7B
+    from test_gpu_step import _random_tensors
+
+    spec = replace(QWEN25_7B, num_layers=layers)
+    model = QLoRAModel.on_device(spec, LoRAConfig(r=16), CUDA, seed=1, **options)
+    generator = torch.Generator(device=CUDA).manual_seed(1)
+    for group in (g for layer in model.layers for g in layer.projections.values()):
+        for b in group.lora_B.values():
+            with torch.no_grad():
+                b.normal_(0, 0.02, generator=generator)
+    tensors = ((name, tensor) for name, tensor in _random_tensors(0) if name in spec.expected_tensors())
+    model.load_base(_spec_tensors(spec, tensors), quantize=True, dtype=torch.bfloat16)
+    return model.train()
+
+
+def _spec_tensors(spec, tensors):
+    """The 2-layer test tensors, repeated for deeper stacks (every layer is the same shape)."""
+    by_name = dict(tensors)
+    for name in spec.expected_tensors():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers":
+            parts[2] = str(int(parts[2]) % 2)
+        yield name, by_name[".".join(parts)]
+
+
+def _gpu_step(model, tokens: int):
+    ids = torch.randint(0, model.spec.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(CUDA)
+    torch.cuda.reset_peak_memory_stats()
+    loss_sum, count = model.loss(ids, ids.roll(-1, dims=1))
+    (loss_sum / count).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return float(loss_sum / count), grads, torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.gpu
+def test_offloaded_layers_on_the_gpu_match_and_hold_no_inputs(deterministic_algorithms):
+    """Six 7B layers at 8K tokens: the side-stream copies give the numbers of plain recompute, and
+    the GPU no longer holds four of the six layer inputs (two stay, as landing buffers)."""
+    tokens = 8192
+    plain = _gpu_step(_gpu_model(6, checkpoint_layers=6), tokens)
+    torch.cuda.empty_cache()
+    offloaded = _gpu_step(_gpu_model(6, checkpoint_layers=6, offload_activations=True), tokens)
+    assert offloaded[0] == pytest.approx(plain[0], rel=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(offloaded[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    layer_input = tokens * 3584 * 2
+    assert plain[2] - offloaded[2] > 3.5 * layer_input, (plain[2], offloaded[2])
+
+
+@pytest.mark.gpu
+def test_offloaded_layers_replay_in_a_cuda_graph(deterministic_algorithms):
+    """Captured copies and stream waits: replays accumulate what eager offloaded steps do."""
+    from qlora_cli.graphs import GraphedLoss
+
+    model = _gpu_model(3, checkpoint_layers=3, offload_activations=True)
+    params = model.trainable_parameters()
+    batches = []
+    for seed in range(3):
+        ids = torch.randint(
+            0, model.spec.vocab_size, (2, 1024), generator=torch.Generator().manual_seed(seed)
+        )
+        batches.append((ids, ids.roll(-1, dims=1)))
+
+    def run(call):
+        results = []
+        for batch in batches:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            results.append((float(call(batch)), [p.grad.clone() for p in params]))
+        return results
+
+    def eager(batch):
+        loss_sum, _ = model.loss(*(t.to(CUDA) for t in batch))
+        (loss_sum / 2048).backward()
+        return loss_sum.detach()
+
+    graphed = GraphedLoss(model.loss, CUDA, model.spec.vocab_size)
+    expected = run(eager)
+    got = run(lambda batch: graphed(batch, 1, 1 / 2048))
+    assert graphed.graph is not None
+    for (want_loss, want_grads), (loss, grads) in zip(expected, got, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        for a, b in zip(want_grads, grads, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_long_row_runs_the_mlp_in_slices_on_the_gpu(monkeypatch):
+    """32K tokens of a 7B layer: slices of the MLP give the whole MLP's numbers at a lower peak."""
+    tokens = 32768
+    model = _gpu_model(2, checkpoint_layers=2)
+    monkeypatch.setattr(chunked_mlp, "SLICE_BYTES", 1 << 60)
+    whole = _gpu_step(model, tokens)
+    monkeypatch.undo()
+    for p in model.trainable_parameters():
+        p.grad = None
+    sliced = _gpu_step(model, tokens)
+    assert sliced[0] == pytest.approx(whole[0], rel=1e-3)
+    for name, grad in whole[1].items():
+        error = (sliced[1][name] - grad).norm() / grad.norm()
+        assert error < 1e-2, f"{name}: {error:.3g}"
+    gate_up = tokens * 2 * 18944 * 2
+    assert whole[2] - sliced[2] > gate_up, (whole[2], sliced[2])
