@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from qlora_cli.chunked_mlp import slice_tokens
 from qlora_cli.weights import ModelSpec
 
@@ -175,5 +177,8 @@ def prefer_expandable_segments() -> None:
     """Keep reserved memory close to allocated: with expandable segments the caching allocator grows
     one mapping instead of caching blocks of every odd size a long row allocates. Takes effect only
     before CUDA's allocator starts; a PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF of the user's wins."""
-    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    name = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 9) else "PYTORCH_CUDA_ALLOC_CONF"
+    os.environ[name] = "expandable_segments:True"
