@@ -58,9 +58,12 @@ class HostOffloader:
             host.copy_(x.reshape(-1))
             return
         compute = torch.cuda.current_stream(self.device)
-        # The previous layer's copy has had a whole layer's forward to finish. Waiting for it before
-        # letting go of its source keeps the allocator from handing that memory out mid-copy.
-        compute.wait_stream(self.copies)
+        if self.in_flight is not None:
+            # The previous layer's copy has had a whole layer's forward to finish. Waiting for it
+            # before letting go of its source keeps the allocator from handing that memory out
+            # mid-copy. The first layer waits for nothing: the last backward joined every copy, and
+            # a graph capture may not wait on work it did not capture.
+            compute.wait_stream(self.copies)
         self.copies.wait_stream(compute)
         with torch.cuda.stream(self.copies):
             host.copy_(x.reshape(-1), non_blocking=True)

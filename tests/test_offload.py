@@ -140,7 +140,7 @@ def _gpu_model(layers: int, **options):
     from test_gpu_step import _random_tensors
 
     spec = replace(QWEN25_7B, num_layers=layers)
-    model = QLoRAModel.on_device(spec, LoRAConfig(r=16), CUDA, seed=1, **options)
+    model = QLoRAModel.on_device(spec, LoRAConfig(r=16), CUDA, seed=1, attention_backend="triton", **options)
     generator = torch.Generator(device=CUDA).manual_seed(1)
     for group in (g for layer in model.layers for g in layer.projections.values()):
         for b in group.lora_B.values():
@@ -168,7 +168,7 @@ def _gpu_step(model, tokens: int):
     loss_sum, count = model.loss(ids, ids.roll(-1, dims=1))
     (loss_sum / count).backward()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return float(loss_sum / count), grads, torch.cuda.max_memory_allocated()
+    return float(loss_sum.detach() / count), grads, torch.cuda.max_memory_allocated()
 
 
 @pytest.mark.gpu
