@@ -17,6 +17,7 @@ from qlora_cli.chunked_mlp import slice_tokens
 from qlora_cli.weights import ModelSpec
 
 BF16 = 2
+LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
 HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
 
 
@@ -75,21 +76,22 @@ def kept_layer_bytes(spec: ModelSpec, tokens: int, lora_r: int, lora_dropout: fl
 
 
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
-    """The most one layer's backward holds at once beside what every layer keeps: its rerun's
-    activations and their gradients, tokens × hidden-sized, plus the MLP's share for one slice of
-    tokens (qlora_cli/chunked_mlp.py), plus the two landing buffers of offloaded inputs."""
-    per_token = 12 * spec.hidden_size + 3 * (spec.q_size + 2 * spec.kv_size)
-    mlp = 5 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
-    landing = 2 * spec.hidden_size if offload else 0
-    scratch = max(out * inp for out, inp in spec.projection_shapes().values()) * 2  # dequantized weights
-    return (tokens * (per_token + landing) + mlp) * BF16 + scratch * BF16
+    """The most one layer's backward holds at once beside what every layer keeps.
 
-
-LOSS_CHUNK = 2**30  # the fused loss's logits chunk and its working set
+    Fitted to peaks measured on an H200 at Qwen2.5-7B (8K, 16K and 32K tokens) and checked at
+    1.5B (benchmarks/RESULTS.md): the rerun's activations and their gradients come to 9.5 rows of
+    hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
+    for one slice of tokens (qlora_cli/chunked_mlp.py); offloaded inputs land in two buffers; the
+    shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks.
+    """
+    per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
+    mlp = 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
+    scratch = max(out * inp for out, inp in spec.projection_shapes().values())
+    return int((tokens * per_token + mlp + scratch) * BF16) + LOSS_WORKING
 
 
 def fixed_bytes(spec: ModelSpec, lora_r: int) -> int:
-    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r) + LOSS_CHUNK
+    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r)
 
 
 def estimated_peak_bytes(

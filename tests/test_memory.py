@@ -27,3 +27,51 @@ def test_budget_decides_how_many_layers_recompute():
     assert recomputed(25, dropout=0.05) > middle
     assert layers_to_checkpoint(True, QWEN25_7B, TOKENS, None, 16) == 28
     assert layers_to_checkpoint(False, QWEN25_7B, TOKENS, 1, 16) == 0
+
+
+MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks/RESULTS.md)
+    ("qwen2.5-7b", 4 * 2048, 8.20),
+    ("qwen2.5-7b", 16384, 8.83),
+    ("qwen2.5-7b", 32768, 10.49),
+    ("qwen2.5-1.5b", 8 * 2048, 3.42),
+]
+
+
+def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
+    from benchmarks.shapes import qwen25_config
+    from qlora_cli.memory import estimated_peak_bytes
+    from qlora_cli.weights import spec_from_config
+
+    for name, tokens, measured in MEASURED_PEAKS_GIB:
+        spec = spec_from_config(qwen25_config(name))
+        estimate = estimated_peak_bytes(spec, tokens, 16, spec.num_layers, offload=True) / 2**30
+        assert abs(estimate / measured - 1) < 0.10, (name, tokens, estimate, measured)
+
+
+def test_offloading_frees_each_recomputed_layers_input():
+    from qlora_cli.memory import estimated_peak_bytes
+
+    kept_inputs = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28)
+    offloaded = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28, offload=True)
+    layer_input = TOKENS * QWEN25_7B.hidden_size * 2
+    assert kept_inputs - offloaded == 28 * layer_input - 2 * layer_input
+
+
+def test_a_budget_keeps_more_layers_when_recomputed_ones_are_offloaded():
+    plain = layers_to_checkpoint("auto", QWEN25_7B, TOKENS, 14, 16)
+    offloaded = layers_to_checkpoint("auto", QWEN25_7B, TOKENS, 14, 16, offload=True)
+    assert 0 < offloaded < plain < 28
+
+
+def test_auto_offloads_on_a_gpu_when_layers_recompute():
+    from qlora_cli.memory import offloads_activations
+
+    def offloads(setting, checkpointing, device, budget=None):
+        return offloads_activations(setting, checkpointing, QWEN25_7B, TOKENS, budget, 16, device)
+
+    assert offloads("auto", True, "cuda")
+    assert not offloads("auto", True, "cpu")
+    assert not offloads("auto", False, "cuda")
+    assert not offloads("auto", "auto", "cuda", budget=60)  # every layer kept: nothing to offload
+    assert offloads("auto", "auto", "cuda", budget=12)
+    assert offloads(True, True, "cpu") and not offloads(False, True, "cuda")
