@@ -241,7 +241,7 @@ def main() -> None:
         parser.error("--checkpointing auto needs --budget-gb")
     if args.worker:
         if args.worker.startswith("qlora"):
-            from qlora_cli.memory import prefer_expandable_segments
+            from qlora_cli.allocator import prefer_expandable_segments
 
             prefer_expandable_segments()
         if args.memory_cap_gb and args.device == "cuda":

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from qlora_cli import __version__
+from qlora_cli.allocator import prefer_expandable_segments
 from qlora_cli.errors import QLoraError
 
 app = typer.Typer(
@@ -235,6 +236,7 @@ def main() -> None:
     """
     other_rank = os.environ.get("RANK", "0") != "0"
     console.quiet = other_rank
+    prefer_expandable_segments()
     try:
         app()
     except QLoraError as err:

@@ -9,10 +9,6 @@ pinned host memory (qlora_cli/offload.py), copied while the GPU computes.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from qlora_cli.chunked_mlp import slice_tokens
 from qlora_cli.weights import ModelSpec
 
@@ -173,14 +169,3 @@ def offloads_activations(
     host = host_available_bytes()
     pinned = spec.num_layers * checkpointed_activation_bytes(spec, tokens)
     return host is None or pinned <= HOST_SHARE * host
-
-
-def prefer_expandable_segments() -> None:
-    """Keep reserved memory close to allocated: with expandable segments the caching allocator grows
-    one mapping instead of caching blocks of every odd size a long row allocates. Takes effect only
-    before CUDA's allocator starts; a PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF of the user's wins."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
-        return
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    name = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 9) else "PYTORCH_CUDA_ALLOC_CONF"
-    os.environ[name] = "expandable_segments:True"

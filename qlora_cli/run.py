@@ -18,7 +18,7 @@ from qlora_cli.distributed import Distributed
 from qlora_cli.errors import QLoraError
 from qlora_cli.graphs import GraphedLoss, graphed_loss_for
 from qlora_cli.hub import resolve_model
-from qlora_cli.memory import layers_to_checkpoint
+from qlora_cli.memory import layers_to_checkpoint, offloads_activations
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import compute_dtype, lora_config, select_device
 from qlora_cli.tokenizer import ChatTokenizer
@@ -82,6 +82,16 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
     batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
     tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
+    offload = offloads_activations(
+        config.activation_offloading,
+        config.gradient_checkpointing,
+        spec,
+        tokens_per_micro_batch,
+        config.memory_budget_gb,
+        config.lora_r,
+        device.type,
+        config.lora_dropout,
+    )
     checkpointed = layers_to_checkpoint(
         config.gradient_checkpointing,
         spec,
@@ -89,7 +99,11 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         config.memory_budget_gb,
         config.lora_r,
         config.lora_dropout,
+        offload=offload,
     )
+    if offload and not checkpointed:
+        notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
+        offload = False
     model = QLoRAModel.from_pretrained(
         folder,
         quantize=config.quantize,
@@ -98,6 +112,7 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         dtype=dtype,
         attention_backend=config.attention,
         checkpoint_layers=checkpointed,
+        offload_activations=offload,
         seed=config.seed,
     )
     model.train()

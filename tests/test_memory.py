@@ -1,5 +1,7 @@
 """Layers to recompute from a memory budget, at Qwen2.5-7B's shape and 4 x 2048 tokens."""
 
+import os
+
 from checkpoints import QWEN25_7B
 
 from qlora_cli.memory import kept_activation_bytes, layers_to_checkpoint
@@ -75,3 +77,21 @@ def test_auto_offloads_on_a_gpu_when_layers_recompute():
     assert not offloads("auto", "auto", "cuda", budget=60)  # every layer kept: nothing to offload
     assert offloads("auto", "auto", "cuda", budget=12)
     assert offloads(True, True, "cpu") and not offloads(False, True, "cuda")
+
+
+def test_the_cli_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
+    from qlora_cli.allocator import prefer_expandable_segments
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    prefer_expandable_segments()
+    assert "expandable_segments:True" in {
+        os.environ.get(n) for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    prefer_expandable_segments()
+    assert (
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+        and "PYTORCH_ALLOC_CONF" not in os.environ
+    )
