@@ -116,8 +116,9 @@ def test_torchrun_environment_must_be_complete(monkeypatch):
                 gradient_checkpointing=True, train_norms=True, max_grad_norm=0, val_set_size=8, eval_steps=2
             ),
         ),
+        (2, dict(gradient_checkpointing=True, activation_offloading=True, max_grad_norm=0)),
     ],
-    ids=["qlora-nproc", "torchrun-accumulating"],
+    ids=["qlora-nproc", "torchrun-accumulating", "torchrun-offloaded"],
 )
 def test_two_processes_match_one_process_with_twice_the_accumulation(
     tmp_path, reference_ops, monkeypatch, capfd, accumulation, settings
