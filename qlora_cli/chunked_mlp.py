@@ -3,7 +3,7 @@
 gate/up's output, SwiGLU's and their gradients are each tokens × intermediate_size: at 7B and 128K
 tokens, 9.9 GB apiece. The MLP acts on each token alone, so it can run slice by slice with the
 same result. Forward writes each slice's output and keeps only the MLP's input; backward reruns a
-slice's gate/up and SwiGLU (with `recompute` active, so down's forward GEMM is skipped) and
+slice's gate/up and SwiGLU (inside `recompute()`, so down's forward GEMM is skipped) and
 back-propagates it before the next. A recomputed layer reruns its MLP in backward anyway, so there
 the slicing costs no extra work; its recompute pass gets an output that takes no memory, because
 nothing after the MLP reads it.
@@ -11,6 +11,7 @@ nothing after the MLP reads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ class SlicedMLP(torch.autograd.Function):
     def forward(
         ctx,
         mlp: Callable[[torch.Tensor], torch.Tensor],
-        recompute,
+        recompute: Callable[[], contextlib.AbstractContextManager],
         recomputing: bool,
         slice_tokens: int,
         replay_rng: bool,
@@ -65,7 +66,7 @@ class SlicedMLP(torch.autograd.Function):
         with ctx.rng.replaying():
             for start in range(0, rows.shape[0], ctx.slice):
                 part = rows[start : start + ctx.slice].unsqueeze(0).detach().requires_grad_(True)
-                with torch.enable_grad(), ctx.recompute:
+                with torch.enable_grad(), ctx.recompute():
                     out = ctx.mlp(part)
                 torch.autograd.backward(out, grads[start : start + ctx.slice].unsqueeze(0))
                 dh[start : start + ctx.slice] = part.grad[0]

@@ -176,10 +176,10 @@ class DecoderLayer(nn.Module):
         """torch.utils.checkpoint's context_fn: the forward runs as usual; the rerun in backward sets
         `recomputing`, since only the tensors backward saves are kept from it, so the layer's last GEMM
         (down_proj) need not produce y."""
-        return contextlib.nullcontext(), self._recomputation()
+        return contextlib.nullcontext(), self.recomputation()
 
     @contextlib.contextmanager
-    def _recomputation(self):
+    def recomputation(self):
         self.recomputing = True
         try:
             yield
@@ -212,7 +212,7 @@ class DecoderLayer(nn.Module):
         trainables = [p for group in mlp for p in group.parameters() if p.requires_grad]
         dropout = bool(self.training and any(group.dropout for group in mlp))
         return SlicedMLP.apply(
-            self._mlp_whole, Recompute(), Recompute.active, per_slice, dropout, h, *trainables
+            self._mlp_whole, self.recomputation, self.recomputing, per_slice, dropout, h, *trainables
         )
 
     def _mlp_whole(self, h):
@@ -406,7 +406,7 @@ class QLoRAModel(nn.Module):
         trainables = [p for p in layer.parameters() if p.requires_grad]
         dropout = bool(self.lora and self.lora.dropout)
         return OffloadedLayer.apply(
-            run_layer, self.offloader, index, Recompute(), dropout, stream, *trainables
+            run_layer, self.offloader, index, layer.recomputation, dropout, stream, *trainables
         )
 
     def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:

@@ -12,6 +12,7 @@ same bookkeeping copies into a second host tensor: the logic is tested where CI 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -97,7 +98,7 @@ class OffloadedLayer(torch.autograd.Function):
     """A recomputed layer whose input waits in host memory between its forward and its backward.
 
     Forward runs the layer without building a graph; backward brings the input back, reruns the
-    layer with `recompute` active and back-propagates through it, so the LoRA gradients accumulate
+    layer inside `recompute()` and back-propagates through it, so the LoRA gradients accumulate
     as in any backward. The trainable tensors are inputs only so that backward is called at all:
     the first layer's input, the embedding, needs no gradient.
     """
@@ -108,7 +109,7 @@ class OffloadedLayer(torch.autograd.Function):
         run_layer: Callable,
         offloader: HostOffloader,
         index: int,
-        recompute,
+        recompute: Callable[[], contextlib.AbstractContextManager],
         replay_rng: bool,
         x: torch.Tensor,
         *trainables: torch.Tensor,
@@ -122,7 +123,7 @@ class OffloadedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x = ctx.offloader.load(ctx.index).detach().requires_grad_(True)
-        with ctx.rng.replaying(), torch.enable_grad(), ctx.recompute:
+        with ctx.rng.replaying(), torch.enable_grad(), ctx.recompute():
             outputs = ctx.run_layer(x)
         pairs = [
             (out, g) for out, g in zip(outputs, grads, strict=True) if g is not None and out.requires_grad
