@@ -75,7 +75,7 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     """The most one layer's backward holds at once beside what every layer keeps.
 
     Fitted to peaks measured on an H200 at Qwen2.5-7B (8K, 16K and 32K tokens) and checked at
-    1.5B (benchmarks/RESULTS.md): the rerun's activations and their gradients come to 9.5 rows of
+    1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's activations and their gradients come to 9.5 rows of
     hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
     for one slice of tokens (qlora_cli/chunked_mlp.py); offloaded inputs land in two buffers; the
     shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks.

@@ -35,6 +35,7 @@ MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks
     ("qwen2.5-7b", 4 * 2048, 8.20),
     ("qwen2.5-7b", 16384, 8.83),
     ("qwen2.5-7b", 32768, 10.49),
+    ("qwen2.5-7b", 131072, 19.88),
     ("qwen2.5-1.5b", 8 * 2048, 3.42),
 ]
 
