@@ -2,7 +2,7 @@
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
-       [--offload auto|true|false] [--memory-cap-gb 80]
+       [--offload auto|true|false] [--memory-cap-gb 80] [--json FILE]
 
 Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
 writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
@@ -12,6 +12,8 @@ base, `use_gradient_checkpointing="unsloth"`, which offloads each layer's input 
 Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is captured) and
 reserved, MFU and the ratios against HF+PEFT+bnb and Unsloth. `--memory-cap-gb` caps every runner's
 GPU memory (torch.cuda.set_per_process_memory_fraction), to show what trains inside a smaller GPU.
+Each step is timed on its own (CUDA events, qlora_cli/profiler/timing.py); tokens/s comes from the
+median step, and --json keeps the fastest step too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import sys
 import time
 
 import torch
+
+from benchmarks.output import add_json_option, write_json
+from qlora_cli.profiler.timing import measure
 
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16; MFU is reported against it
 
@@ -185,20 +190,16 @@ def _timed(step, args) -> dict:
     """The peak covers the warm-up too: a CUDA graph takes its memory when it is captured there."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
-        step()
-    _sync(args.device)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    _sync(args.device)
-    seconds = (time.perf_counter() - start) / args.steps
+    losses = []
+    timing = measure(lambda: losses.append(step()), args.device, repeats=args.steps, warmup=args.warmup)
+    seconds = timing.median_ms / 1e3
     return {
         "step_s": seconds,
+        "step_ms_min": timing.min_ms,
         "tokens_per_s": args.batch * args.seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else 0.0,
-        "loss": float(loss.detach()),
+        "loss": float(losses[-1].detach()),
     }
 
 
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--memory-cap-gb", type=float, default=None, help="cap each runner's GPU memory")
     parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.checkpointing == "auto" and args.budget_gb is None:
         parser.error("--checkpointing auto needs --budget-gb")
@@ -286,6 +288,7 @@ def main() -> None:
         if "estimated_peak_gib" in r:
             print(f"{'':<20}planner's estimate of the peak: {r['estimated_peak_gib']:.2f} GiB")
     print("JSON " + json.dumps(results))
+    write_json(args.json, "benchmarks.compare", results, args.device)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Each Triton kernel against the torch eager composition it replaces, forward + backward, at Qwen2.5-7B shapes.
 
-Usage: python -m benchmarks.kernels [--tokens 8192] [--markdown FILE]
-Prints one row per kernel: time and peak extra memory for ours and for torch, and the ratio.
+Usage: python -m benchmarks.kernels [--tokens 8192] [--markdown FILE] [--json FILE]
+Prints one row per kernel: median time (CUDA events, qlora_cli/profiler/timing.py) and peak extra
+memory for ours and for torch, and the ratio; --json also keeps each side's fastest call.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
-from triton.testing import do_bench
 
+from benchmarks.output import add_json_option, write_json
+from qlora_cli.profiler.timing import Timing, measure
 from qlora_kernels.attention import attention
 from qlora_kernels.cross_entropy import linear_cross_entropy
 from qlora_kernels.linear import lora_linear
@@ -27,8 +29,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 3584, 18944, 28, 4, 128,
 BF16 = torch.bfloat16
 
 
-def measure(fn: Callable[[], None]) -> tuple[float, float]:
-    """Mean ms of fn (do_bench's default) and the peak memory (GiB) it allocates above what was live before."""
+def time_and_memory(fn: Callable[[], None]) -> tuple[Timing, float]:
+    """fn's time per call and the peak memory (GiB) it allocates above what was live before."""
     fn()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -36,7 +38,7 @@ def measure(fn: Callable[[], None]) -> tuple[float, float]:
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return do_bench(fn, warmup=5, rep=40), peak
+    return measure(fn, "cuda", repeats=25, warmup=3), peak
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
@@ -157,16 +159,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--markdown", help="also write the table as Markdown here")
+    add_json_option(parser)
     args = parser.parse_args()
     table = Table(
-        title=f"kernels vs torch eager, fwd+bwd, {args.tokens} tokens, {torch.cuda.get_device_name()}"
+        title=(
+            f"kernels vs torch eager, fwd+bwd, {args.tokens} tokens, {torch.cuda.get_device_name()}, "
+            "median of 25 calls"
+        )
     )
     for column in ("kernel", "ours ms", "torch ms", "speed-up", "ours GiB", "torch GiB"):
         table.add_column(column, justify="left" if column == "kernel" else "right")
-    rows = []
+    rows, results = [], {}
     for name, (ours, theirs) in cases(args.tokens).items():
-        ours_ms, ours_gib = measure(ours)
-        torch_ms, torch_gib = measure(theirs)
+        ours_time, ours_gib = time_and_memory(ours)
+        torch_time, torch_gib = time_and_memory(theirs)
+        ours_ms, torch_ms = ours_time.median_ms, torch_time.median_ms
+        results[name] = {
+            "ours": ours_time.to_json() | {"peak_gib": ours_gib},
+            "torch": torch_time.to_json() | {"peak_gib": torch_gib},
+            "speed_up": torch_ms / ours_ms,
+        }
         row = (
             name,
             f"{ours_ms:.3f}",
@@ -184,6 +196,7 @@ def main() -> None:
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
+    write_json(args.json, "benchmarks.kernels", {"tokens": args.tokens, "kernels": results})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """GPU time of each projection group with and without LoRA, timed as CUDA-graph replays.
 
-Usage: python -m benchmarks.projections [--model qwen2.5-7b] [--tokens 8192] [--rank 16]
+Usage: python -m benchmarks.projections [--model qwen2.5-7b] [--tokens 8192] [--rank 16] [--json FILE]
 
 At a model's shapes (NF4 weights, bf16 activations) times, bare and with LoRA on every
 projection, forward and forward + backward of what the model runs: `qlora_kernels.linear.lora_linear`
 for qkv and o, and for the MLP gate/up (`lora_linear_a`) → SwiGLU (`qlora_kernels.swiglu.lora_swiglu`)
 → down (`lora_linear_b`), where the MLP's LoRA is split across the three. Replaying a captured
-graph leaves out Python's launch overhead, so the difference is what LoRA costs the GPU.
+graph leaves out Python's launch overhead, so the difference is what LoRA costs the GPU. Times are
+the median of 20 replays (qlora_cli/profiler/timing.py); --json also keeps the fastest.
 """
 
 from __future__ import annotations
@@ -15,31 +16,17 @@ import argparse
 
 import torch
 
+from benchmarks.output import add_json_option, write_json
 from benchmarks.shapes import QWEN25
+from qlora_cli.profiler.timing import Timing, measure
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import quantize_nf4
 from qlora_kernels.swiglu import lora_swiglu
 
 
-def replay_us(fn, replays: int = 20) -> float:
-    """Mean µs of one replay of `fn` captured as a CUDA graph (after an eager warm-up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
+def replay(fn) -> Timing:
+    """Replays of `fn` captured as a CUDA graph, after two eager calls."""
+    return measure(fn, "cuda", repeats=20, warmup=2, graph=True)
 
 
 def projection_groups(name: str) -> dict[str, tuple[list[tuple[int, int]], bool]]:
@@ -68,16 +55,16 @@ def _lora(randn, sizes, rank):
     return weights, lora_a, lora_b
 
 
-def _timings(forward, both) -> dict[str, float]:
+def _timings(forward, both) -> dict[str, Timing]:
     return {
-        "bare_fwd": replay_us(lambda: forward(False)),
-        "bare_both": replay_us(lambda: both(False)),
-        "lora_fwd": replay_us(lambda: forward(True)),
-        "lora_both": replay_us(lambda: both(True)),
+        "bare_fwd": replay(lambda: forward(False)),
+        "bare_both": replay(lambda: both(False)),
+        "lora_fwd": replay(lambda: forward(True)),
+        "lora_both": replay(lambda: both(True)),
     }
 
 
-def time_mlp(sizes, tokens: int, rank: int) -> dict[str, float]:
+def time_mlp(sizes, tokens: int, rank: int) -> dict[str, Timing]:
     """gate/up → SwiGLU → down as the model runs it, LoRA's B of gate/up and A of down in SwiGLU."""
     randn = _randn(torch.Generator(device="cuda").manual_seed(0))
     weights, lora_a, lora_b = _lora(randn, sizes, rank)
@@ -103,7 +90,7 @@ def time_mlp(sizes, tokens: int, rank: int) -> dict[str, float]:
     return _timings(forward, both)
 
 
-def time_group(sizes, bias: bool, tokens: int, rank: int) -> dict[str, float]:
+def time_group(sizes, bias: bool, tokens: int, rank: int) -> dict[str, Timing]:
     randn = _randn(torch.Generator(device="cuda").manual_seed(0))
     weights, lora_a, lora_b = _lora(randn, sizes, rank)
     biases = [randn(out, scale=0.1).bfloat16() if bias else None for out, _ in sizes]
@@ -128,21 +115,27 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(QWEN25))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
+    add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("CUDA graphs need a GPU")
-    print(f"{args.model}, {args.tokens} tokens, LoRA r {args.rank}, µs per call (CUDA-graph replays)")
+    print(f"{args.model}, {args.tokens} tokens, LoRA r {args.rank}, median µs per call (CUDA-graph replays)")
     print(f"{'group':<9}{'bare fwd':>10}{'LoRA fwd':>10}{'+':>8}{'bare f+b':>10}{'LoRA f+b':>10}{'+':>8}")
+    results = {}
     for name, (sizes, bias) in projection_groups(args.model).items():
         if name == "mlp":
-            t = time_mlp(sizes, args.tokens, args.rank)
+            timings = time_mlp(sizes, args.tokens, args.rank)
         else:
-            t = time_group(sizes, bias, args.tokens, args.rank)
+            timings = time_group(sizes, bias, args.tokens, args.rank)
+        results[name] = {key: timing.to_json() for key, timing in timings.items()}
+        t = {key: timing.median_ms * 1e3 for key, timing in timings.items()}
         print(
             f"{name:<9}{t['bare_fwd']:>10.1f}{t['lora_fwd']:>10.1f}{t['lora_fwd'] - t['bare_fwd']:>8.1f}"
             f"{t['bare_both']:>10.1f}{t['lora_both']:>10.1f}{t['lora_both'] - t['bare_both']:>8.1f}",
             flush=True,
         )
+    settings = {"model": args.model, "tokens": args.tokens, "rank": args.rank}
+    write_json(args.json, "benchmarks.projections", settings | {"groups": results})
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def train(
     from qlora_cli.config import load_config
 
     if profile:
-        from qlora_cli.profiler import print_report, profiled_train
+        from qlora_cli.profiler.command import profiled_train
+        from qlora_cli.profiler.report import print_report
 
         result, report = profiled_train(load_config(config, set_ or ()), console=console)
         print_report(report)
@@ -215,8 +216,8 @@ def profile(
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise QLoraError("qlora profile times a single process; run it without torchrun")
     from qlora_cli.config import load_config
-    from qlora_cli.profiler import print_report
-    from qlora_cli.profiler import profile as run_profile
+    from qlora_cli.profiler.command import profile as run_profile
+    from qlora_cli.profiler.report import print_report
 
     report = run_profile(
         load_config(config, set_ or ()),

@@ -23,7 +23,8 @@ from qlora_cli.chunked_mlp import SlicedMLP, slice_tokens
 from qlora_cli.config import ALL_PROJECTIONS
 from qlora_cli.hub import resolve_model
 from qlora_cli.offload import HostOffloader, OffloadedLayer
-from qlora_cli.profiler import timed
+from qlora_cli.profiler.hooks import timed
+from qlora_cli.profiler.ops import Op
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.attention import attention
 from qlora_kernels.cross_entropy import linear_cross_entropy
@@ -190,15 +191,15 @@ class DecoderLayer(nn.Module):
         spec = self.spec
         b, s, _ = x.shape
         eps = spec.rms_norm_eps
-        h, residual = timed("rmsnorm_attn", add_rms_norm, x, residual, self.input_layernorm, eps)
-        qkv = timed("qkv_gemm", self.projections["qkv"], h)
+        h, residual = timed(Op.RMSNORM_ATTN, add_rms_norm, x, residual, self.input_layernorm, eps)
+        qkv = timed(Op.QKV_GEMM, self.projections["qkv"], h)
         qkv = qkv.view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
         q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
-        q, k = timed("rope", apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
+        q, k = timed(Op.ROPE, apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
         backend = choose_attention_backend(self.attention_backend, doc_ids)
-        attn = timed("attention", attention, q, k, v, doc_ids, backend=backend)
-        x = timed("o_proj", self.projections["o"], attn.reshape(b, s, spec.q_size))
-        h, residual = timed("rmsnorm_ffn", add_rms_norm, x, residual, self.post_attention_layernorm, eps)
+        attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend)
+        x = timed(Op.O_PROJ, self.projections["o"], attn.reshape(b, s, spec.q_size))
+        h, residual = timed(Op.RMSNORM_FFN, add_rms_norm, x, residual, self.post_attention_layernorm, eps)
         x = self._mlp(h)
         return x, residual
 
@@ -220,11 +221,11 @@ class DecoderLayer(nn.Module):
         (kernels.swiglu). Down's LoRA input is h itself unless LoRA dropout is on; then down
         takes h and runs its own LoRA."""
         gate_up, down = self.projections["gate_up"], self.projections["down"]
-        gate_up_out, gate_up_t = timed("gate_up_gemm", gate_up, h, keep_lora_t=True)
+        gate_up_out, gate_up_t = timed(Op.GATE_UP_GEMM, gate_up, h, keep_lora_t=True)
         down_a = down.lora_A.get("down_proj")
         fuse_down = down_a is not None and not (down.dropout and self.training)
         activation, down_t = timed(
-            "silu",
+            Op.SILU,
             lora_swiglu,
             gate_up_out,
             gate_up_t,
@@ -235,8 +236,8 @@ class DecoderLayer(nn.Module):
             need_output=not (self.recomputing and fuse_down),
         )
         if fuse_down:
-            return timed("down_gemm", down, activation, need_output=not self.recomputing, lora_t=down_t)
-        return timed("down_gemm", down, activation, need_output=not self.recomputing)
+            return timed(Op.DOWN_GEMM, down, activation, need_output=not self.recomputing, lora_t=down_t)
+        return timed(Op.DOWN_GEMM, down, activation, need_output=not self.recomputing)
 
 
 class QLoRAModel(nn.Module):
@@ -367,7 +368,7 @@ class QLoRAModel(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        x = timed("embedding", F.embedding, input_ids, self.embed_tokens)
+        x = timed(Op.EMBEDDING, F.embedding, input_ids, self.embed_tokens)
         residual = None
         for i, layer in enumerate(self.layers):
             if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
@@ -391,7 +392,7 @@ class QLoRAModel(nn.Module):
                 )
             else:
                 x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)
-        h, _ = timed("final_norm", add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
+        h, _ = timed(Op.FINAL_NORM, add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
         return h
 
     def _offloaded(self, index: int, stream, position_ids, doc_ids):
@@ -418,5 +419,9 @@ class QLoRAModel(nn.Module):
         """(sum of token losses, count of trained tokens); labels are already shifted."""
         h = self.hidden_states(input_ids, position_ids, doc_ids)
         return timed(
-            "lm_head_loss", linear_cross_entropy, h.reshape(-1, h.shape[-1]), self.lm_head, labels.reshape(-1)
+            Op.LM_HEAD_LOSS,
+            linear_cross_entropy,
+            h.reshape(-1, h.shape[-1]),
+            self.lm_head,
+            labels.reshape(-1),
         )

@@ -16,7 +16,8 @@ import torch
 
 from qlora_cli.config import TrainConfig
 from qlora_cli.graphs import GraphedLoss, LossFn
-from qlora_cli.profiler import region
+from qlora_cli.profiler.hooks import region
+from qlora_cli.profiler.ops import Op
 from qlora_cli.run import Run
 
 
@@ -57,7 +58,7 @@ def micro_batch_backward(
     if graphed is not None:
         return graphed(inputs, 1, scale)
     loss_sum, _ = loss_fn(*inputs)
-    with region("backward"):
+    with region(Op.BACKWARD):
         (loss_sum * scale).backward()
     return loss_sum.detach()
 
@@ -75,7 +76,7 @@ def train_step(run: Run, step: int) -> StepLoss:
     DDP averages gradients over ranks, so each rank scales its loss by the world size.
     """
     config, plan, dist = run.config, run.train_plan, run.dist
-    with region("data"):
+    with region(Op.DATA):
         indices = dist.micro_batches(step, config.gradient_accumulation_steps)
         batches = [plan.batch(*divmod(index, plan.num_batches)) for index in indices]
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
@@ -83,7 +84,7 @@ def train_step(run: Run, step: int) -> StepLoss:
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
     for i, batch in enumerate(batches):
         if run.graphed is None:
-            with region("data"):
+            with region(Op.DATA):
                 batch = batch.to(run.device)
             exchange = dist.accumulating(run.loss_module, last=i == len(batches) - 1)
             doc_ids = run.packed_doc_ids(batch)
@@ -99,7 +100,7 @@ def train_step(run: Run, step: int) -> StepLoss:
 def optimizer_step(run: Run, step: int) -> float:
     """Clip, set the step's learning rate, update, clear the gradients; returns the gradient norm."""
     params = run.model.trainable_parameters()
-    with region("optimizer", params):
+    with region(Op.OPTIMIZER, params):
         if run.config.max_grad_norm > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, run.config.max_grad_norm))
         else:

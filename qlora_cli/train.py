@@ -22,7 +22,7 @@ from qlora_cli.checkpoint import latest_checkpoint, load_checkpoint, read_checkp
 from qlora_cli.config import TrainConfig, apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.distributed import Distributed, check_world_size, distributed
 from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
-from qlora_cli.profiler import OpProfiler
+from qlora_cli.profiler.recorder import OpProfiler
 from qlora_cli.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.run import Run, build_run
 from qlora_cli.settings import compute_dtype, select_device
@@ -178,7 +178,7 @@ def train(
 ) -> TrainResult:
     """Train LoRA adapters as the config says; with resume_from, continue that checkpoint.
 
-    With a profiler, every optimizer step runs under `profiler.step` (qlora_cli/profiler.py).
+    With a profiler, every optimizer step runs under `profiler.step` (qlora_cli/profiler/recorder.py).
 
     Under torchrun every process calls this and they share the work (distributed.py); rank 0 alone
     prints and writes files.

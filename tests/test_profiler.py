@@ -6,41 +6,45 @@ import pytest
 import torch
 from checkpoints import write_run
 
-from qlora_cli import profiler
 from qlora_cli.config import load_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.profiler import OpProfiler, active_profiler, region
+from qlora_cli.profiler.command import profile
+from qlora_cli.profiler.hooks import active_profiler, region, timed
+from qlora_cli.profiler.ops import Op
+from qlora_cli.profiler.recorder import OpProfiler
+from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED
+from qlora_kernels.rope import apply_rope
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
 ORIGINAL_ROWS = (
-    "rmsnorm_attn",
-    "qkv_gemm",
-    "attention",
-    "o_proj",
-    "rmsnorm_ffn",
-    "gate_up_gemm",
-    "silu",
-    "down_gemm",
-    "lora_fwd",
-    "down_bwd",
-    "swiglu_bwd",
-    "gate_up_bwd",
-    "attn_bwd",
-    "qkv_bwd",
-    "norm_bwd",
-    "lora_bwd",
+    Op.RMSNORM_ATTN,
+    Op.QKV_GEMM,
+    Op.ATTENTION,
+    Op.O_PROJ,
+    Op.RMSNORM_FFN,
+    Op.GATE_UP_GEMM,
+    Op.SILU,
+    Op.DOWN_GEMM,
+    Op.LORA_FWD,
+    Op.DOWN_BWD,
+    Op.SWIGLU_BWD,
+    Op.GATE_UP_BWD,
+    Op.ATTN_BWD,
+    Op.QKV_BWD,
+    Op.NORM_BWD,
+    Op.LORA_BWD,
 )
-REQUIRED_ROWS = (*ORIGINAL_ROWS, "embedding", "lm_head_loss", "optimizer", "data", "unattributed", "total")
+REQUIRED_ROWS = (*ORIGINAL_ROWS, Op.EMBEDDING, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA, UNATTRIBUTED, TOTAL)
 
 
 def _check_adds_up(rows: dict[str, dict]) -> None:
     """Rows + unattributed make the measured step, the rows do not double count, and they cover most of it."""
-    total = rows["total"]["ms"]
+    total = rows[TOTAL]["ms"]
     attributed = sum(
-        r["ms"] for name, r in rows.items() if name not in ("total", "unattributed") and not r["part_of"]
+        r["ms"] for name, r in rows.items() if name not in (TOTAL, UNATTRIBUTED) and not r["part_of"]
     )
-    unattributed = rows["unattributed"]["ms"]
+    unattributed = rows[UNATTRIBUTED]["ms"]
     assert total > 0
     assert abs(attributed + unattributed - total) <= 0.1 * total
     assert attributed <= 1.05 * total
@@ -53,36 +57,52 @@ def test_profile_table_json_and_trace(tmp_path):
         write_run(tmp_path / "run", gradient_checkpointing=True, gradient_accumulation_steps=2, max_steps=3)
     )
     json_path, trace_path = tmp_path / "report" / "profile.json", tmp_path / "trace.json"
-    report = profiler.profile(config, steps=2, warmup=1, json_path=json_path, trace_path=trace_path)
+    report = profile(config, steps=2, warmup=1, json_path=json_path, trace_path=trace_path)
 
     data = json.loads(json_path.read_text())
     rows = {r["name"]: r for r in data["rows"]}
     assert set(REQUIRED_ROWS) <= set(rows)
     assert [r["name"] for r in data["rows"]] == [r.name for r in report.rows]
-    assert data["step_ms"] == pytest.approx(rows["total"]["ms"]) and data["steps"] == 2
+    assert data["step_ms"] == pytest.approx(rows[TOTAL]["ms"]) and data["steps"] == 2
     assert data["calibration"]["matmul_tflops"] > 0 and data["calibration"]["copy_gbps"] > 0
     _check_adds_up(rows)
 
     layers, micro = 2, config.gradient_accumulation_steps
-    for name in ("rmsnorm_attn", "qkv_gemm", "rope", "attention", "o_proj", "rmsnorm_ffn", "gate_up_gemm"):
+    for name in (
+        Op.RMSNORM_ATTN,
+        Op.QKV_GEMM,
+        Op.ROPE,
+        Op.ATTENTION,
+        Op.O_PROJ,
+        Op.RMSNORM_FFN,
+        Op.GATE_UP_GEMM,
+    ):
         assert (rows[name]["calls"], rows[name]["recomputed"]) == (2 * layers * micro, layers * micro), name
-    for name in ("down_bwd", "swiglu_bwd", "gate_up_bwd", "o_proj_bwd", "attn_bwd", "rope_bwd", "qkv_bwd"):
+    for name in (
+        Op.DOWN_BWD,
+        Op.SWIGLU_BWD,
+        Op.GATE_UP_BWD,
+        Op.O_PROJ_BWD,
+        Op.ATTN_BWD,
+        Op.ROPE_BWD,
+        Op.QKV_BWD,
+    ):
         assert rows[name]["calls"] == layers * micro, name
     # The first layer's input norm has no backward: neither its input nor its weight needs a gradient.
-    assert rows["norm_bwd"]["calls"] == (2 * layers - 1) * micro
-    assert rows["embedding"]["calls"] == micro
-    assert rows["lm_head_loss"]["calls"] == 2 * micro
-    assert rows["optimizer"]["calls"] == 1 and rows["data"]["calls"] == 1 + micro
-    for name in (*ORIGINAL_ROWS, "embedding", "lm_head_loss", "optimizer"):
+    assert rows[Op.NORM_BWD]["calls"] == (2 * layers - 1) * micro
+    assert rows[Op.EMBEDDING]["calls"] == micro
+    assert rows[Op.LM_HEAD_LOSS]["calls"] == 2 * micro
+    assert rows[Op.OPTIMIZER]["calls"] == 1 and rows[Op.DATA]["calls"] == 1 + micro
+    for name in (*ORIGINAL_ROWS, Op.EMBEDDING, Op.LM_HEAD_LOSS, Op.OPTIMIZER):
         assert rows[name]["ms"] > 0, name
     # LoRA runs in the four projection groups and, for the MLP, in SwiGLU: five ops a layer.
-    assert rows["lora_fwd"]["part_of"] and rows["lora_fwd"]["calls"] == 5 * 2 * layers * micro
-    assert rows["qkv_gemm"]["tflops"] > 0 and rows["silu"]["gbps"] > 0
-    assert rows["rmsnorm_ffn"]["roofline_percent"] > 0
+    assert rows[Op.LORA_FWD]["part_of"] and rows[Op.LORA_FWD]["calls"] == 5 * 2 * layers * micro
+    assert rows[Op.QKV_GEMM]["tflops"] > 0 and rows[Op.SILU]["gbps"] > 0
+    assert rows[Op.RMSNORM_FFN]["roofline_percent"] > 0
 
     trace = json.loads(trace_path.read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
-    assert {"qkv_gemm", "attention", "down_gemm"} <= names
+    assert {Op.QKV_GEMM, Op.ATTENTION, Op.DOWN_GEMM} <= names
     assert not (tmp_path / "run" / "out").exists()
 
 
@@ -106,7 +126,7 @@ def test_profiling_off_records_nothing(tmp_path):
     loss.backward()
     assert active_profiler() is None and watcher.stamps_recorded == 0
     assert not any("Marker" in name for name in graph_names(loss))
-    assert region("data") is region("optimizer")
+    assert region(Op.DATA) is region(Op.OPTIMIZER)
     unprofiled = [p.grad.clone() for p in model.trainable_parameters()]
 
     model.zero_grad()
@@ -126,32 +146,32 @@ def test_timeline_attribution():
     timeline = OpProfiler()
     timeline._recording = True
     stamps = [
-        (True, "qkv_gemm", False, 0.0),
-        (False, "qkv_gemm", False, 1.0),
+        (True, Op.QKV_GEMM, False, 0.0),
+        (False, Op.QKV_GEMM, False, 1.0),
         (True, None, False, 1.5),  # backward scope
-        (True, "down_bwd", True, 2.0),
-        (True, "down_gemm", False, 3.0),  # recompute inside down_bwd
-        (False, "down_gemm", False, 4.0),
-        (False, "down_bwd", True, 6.0),
-        (True, "qkv_bwd", True, 7.0),  # never closed: its input needs no gradient
-        (True, "attn_bwd", True, 9.0),
+        (True, Op.DOWN_BWD, True, 2.0),
+        (True, Op.DOWN_GEMM, False, 3.0),  # recompute inside down_bwd
+        (False, Op.DOWN_GEMM, False, 4.0),
+        (False, Op.DOWN_BWD, True, 6.0),
+        (True, Op.QKV_BWD, True, 7.0),  # never closed: its input needs no gradient
+        (True, Op.ATTN_BWD, True, 9.0),
         (False, None, False, 12.0),  # scope ends
     ]
     for opens, row, backward, seconds in stamps:
         entry = timeline.stamp(opens, row, backward=backward)
         entry.when = seconds / 1e3
-    rows = timeline._resolve()
+    rows = timeline.resolve()
     assert {name: stat.ms for name, stat in rows.items()} == pytest.approx(
-        {"qkv_gemm": 1.0, "down_bwd": 3.0, "down_gemm": 1.0, "qkv_bwd": 2.0, "attn_bwd": 3.0}
+        {Op.QKV_GEMM: 1.0, Op.DOWN_BWD: 3.0, Op.DOWN_GEMM: 1.0, Op.QKV_BWD: 2.0, Op.ATTN_BWD: 3.0}
     )
-    assert rows["down_gemm"].recomputed == 1 and rows["qkv_gemm"].recomputed == 0
+    assert rows[Op.DOWN_GEMM].recomputed == 1 and rows[Op.QKV_GEMM].recomputed == 0
 
 
 def test_cli_profile_and_train_profile(tmp_path, run_cli):
     config = write_run(tmp_path / "run", max_steps=2)
     code, out, err = run_cli("profile", config, "--steps", 1, "--warmup", 0, "--json", tmp_path / "p.json")
     assert code == 0, err
-    assert "qkv_gemm" in out and "unattributed" in out and "TFLOP/s" in out
+    assert Op.QKV_GEMM in out and UNATTRIBUTED in out and "TFLOP/s" in out
     _check_adds_up({r["name"]: r for r in json.loads((tmp_path / "p.json").read_text())["rows"]})
     assert not (tmp_path / "run" / "out").exists()
 
@@ -186,11 +206,28 @@ def test_forward_rows_close_when_a_recompute_stops_early(tmp_path):
         loss, _ = model.loss(ids, ids)
         loss.backward()
     open_forward: dict[str, int] = {}
-    for stamp in watcher._timeline:
+    for stamp in watcher.timeline:
         if not stamp.backward and stamp.row is not None:
             open_forward[stamp.row] = open_forward.get(stamp.row, 0) + (1 if stamp.opens else -1)
     assert open_forward and set(open_forward.values()) == {0}
-    rows = watcher._resolve()
-    assert rows["down_gemm"].recomputed == 2 and rows["down_bwd"].calls == 2
+    rows = watcher.resolve()
+    assert rows[Op.DOWN_GEMM].recomputed == 2 and rows[Op.DOWN_BWD].calls == 2
     # The recompute skips down_proj's GEMM: its forward FLOPs are counted once, like its backward's.
-    assert rows["down_gemm"].flops == rows["down_bwd"].flops > 0
+    assert rows[Op.DOWN_GEMM].flops == rows[Op.DOWN_BWD].flops > 0
+
+
+def test_a_call_the_work_model_cannot_read_fails_loudly():
+    """Work models read an op's arguments by name: a kernel whose parameters were renamed makes the
+    profiled call fail, naming the op and the missing value, instead of counting the wrong tensor."""
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8)
+    positions, inv_freq = torch.arange(4)[None], torch.ones(4)
+
+    def renamed_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=1e-6):
+        return apply_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
+
+    profiler = OpProfiler()
+    with profiler.step("cpu"):
+        timed(Op.ROPE, apply_rope, q, k, positions, inv_freq)
+    assert profiler.steps[0].rows[Op.ROPE].bytes == 2 * (q.numel() + k.numel()) * 4
+    with pytest.raises(TypeError, match="work model of rope .*'q_norm_weight'"), OpProfiler().step("cpu"):
+        timed(Op.ROPE, renamed_rope, q, k, positions, inv_freq)

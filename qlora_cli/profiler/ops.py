@@ -1,0 +1,86 @@
+"""The op identities: every row of the profile, named once for the model, the profiler and the tests.
+
+A member is its row's name (a str), so it prints, compares and serialises as that name.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Op(str, Enum):
+    # Timed in a decoder layer, forward (and recomputed in backward under checkpointing).
+    RMSNORM_ATTN = "rmsnorm_attn"
+    QKV_GEMM = "qkv_gemm"
+    ROPE = "rope"
+    ATTENTION = "attention"
+    O_PROJ = "o_proj"
+    RMSNORM_FFN = "rmsnorm_ffn"
+    GATE_UP_GEMM = "gate_up_gemm"
+    SILU = "silu"
+    DOWN_GEMM = "down_gemm"
+    # The backward rows of the layer's ops.
+    DOWN_BWD = "down_bwd"
+    SWIGLU_BWD = "swiglu_bwd"
+    GATE_UP_BWD = "gate_up_bwd"
+    O_PROJ_BWD = "o_proj_bwd"
+    ATTN_BWD = "attn_bwd"
+    ROPE_BWD = "rope_bwd"
+    QKV_BWD = "qkv_bwd"
+    NORM_BWD = "norm_bwd"
+    # Outside the layers: ops the model times, regions the training step marks.
+    EMBEDDING = "embedding"
+    FINAL_NORM = "final_norm"
+    LM_HEAD_LOSS = "lm_head_loss"
+    OPTIMIZER = "optimizer"
+    DATA = "data"
+    # A scope, not a row: it brackets the backward pass, whose time belongs to the rows inside.
+    BACKWARD = "backward"
+    # LoRA's share of the projection and SwiGLU rows, measured apart from the step.
+    LORA_FWD = "lora_fwd"
+    LORA_BWD = "lora_bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Forward row of each timed op -> the row its backward goes to. Rows named the same both ways
+# (final_norm, lm_head_loss) hold forward and backward together.
+BACKWARD_ROW = {
+    Op.RMSNORM_ATTN: Op.NORM_BWD,
+    Op.QKV_GEMM: Op.QKV_BWD,
+    Op.ROPE: Op.ROPE_BWD,
+    Op.ATTENTION: Op.ATTN_BWD,
+    Op.O_PROJ: Op.O_PROJ_BWD,
+    Op.RMSNORM_FFN: Op.NORM_BWD,
+    Op.GATE_UP_GEMM: Op.GATE_UP_BWD,
+    Op.SILU: Op.SWIGLU_BWD,
+    Op.DOWN_GEMM: Op.DOWN_BWD,
+    Op.FINAL_NORM: Op.FINAL_NORM,
+    Op.LM_HEAD_LOSS: Op.LM_HEAD_LOSS,
+}
+LAYER_FORWARD = (
+    Op.RMSNORM_ATTN,
+    Op.QKV_GEMM,
+    Op.ROPE,
+    Op.ATTENTION,
+    Op.O_PROJ,
+    Op.RMSNORM_FFN,
+    Op.GATE_UP_GEMM,
+    Op.SILU,
+    Op.DOWN_GEMM,
+)
+LAYER_BACKWARD = (
+    Op.DOWN_BWD,
+    Op.SWIGLU_BWD,
+    Op.GATE_UP_BWD,
+    Op.O_PROJ_BWD,
+    Op.ATTN_BWD,
+    Op.ROPE_BWD,
+    Op.QKV_BWD,
+    Op.NORM_BWD,
+)
+OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
+LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)
+# Regions that only bracket other regions: their own time stays unattributed.
+SCOPES = (Op.BACKWARD,)
