@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from qlora_cli.adapter import trainable_tensors
 from qlora_cli.config import load_config
 from qlora_cli.errors import QLoraError, TrainingStopped
+from qlora_cli.run import build_run
 from qlora_cli.tokenizer import ChatTokenizer
-from qlora_cli.train import build_run, train
+from qlora_cli.train import train
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
