@@ -183,7 +183,6 @@ def test_empty_values_ask_for_nothing(keys):
             "fsdp, fsdp_config: qlora runs several GPUs as data parallel",
         ),
         ({"deepspeed": "deepspeed_configs/zero2.json"}, "each GPU holds the whole NF4 model"),
-        ({"wandb_project": "p"}, "wandb_project: metrics go to metrics.jsonl"),
         ({"trust_remote_code": True}, "never runs code from a model repo"),
         ({"torch_compile": True}, "torch_compile: qlora's hot paths are hand-written Triton kernels"),
     ],
