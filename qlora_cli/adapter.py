@@ -7,9 +7,15 @@ PEFT saves `modules_to_save`, under the norm's own name.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+import json
+from pathlib import Path
 
-from qlora_cli.config import TrainConfig
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError
 
 PREFIX = "base_model.model."
@@ -91,3 +97,74 @@ def load_adapter_state(model, tensors: dict[str, torch.Tensor], source: str) -> 
             )
         with torch.no_grad():
             param.copy_(saved)
+
+
+NORM_MODULES = {"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm"}
+
+
+def read_peft_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json and adapter_model.safetensors of a PEFT LoRA adapter folder."""
+    folder = Path(folder)
+    try:
+        saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except FileNotFoundError as err:
+        raise QLoraError(
+            f"lora_model_dir {folder}: no {Path(err.filename).name} (a PEFT adapter folder has "
+            "adapter_config.json and adapter_model.safetensors)"
+        ) from None
+    except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise QLoraError(f"lora_model_dir {folder}: cannot read the adapter ({err})") from None
+    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
+        raise QLoraError(f"lora_model_dir {folder}: adapter_config.json is not a LoRA adapter's")
+    return saved, tensors
+
+
+def _adapter_targets(saved: dict, source: str) -> list[str]:
+    targets = saved.get("target_modules")
+    if targets == "all-linear":
+        return list(ALL_PROJECTIONS)
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets or set(targets) - set(ALL_PROJECTIONS):
+        raise QLoraError(
+            f"lora_model_dir {source}: target_modules {saved.get('target_modules')!r} are not among "
+            f"{', '.join(ALL_PROJECTIONS)}"
+        )
+    return [p for p in ALL_PROJECTIONS if p in targets]
+
+
+def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[TrainConfig, list[str]]:
+    """The config with the shape of the adapter it starts from (rank, alpha, targets, rsLoRA, norms),
+    as PEFT loads an adapter with its own settings; a note names each key that changed."""
+    unsupported = [
+        key
+        for key in ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern")
+        if saved.get(key)
+    ]
+    extra_modules = set(saved.get("modules_to_save") or []) - NORM_MODULES
+    if unsupported or extra_modules:
+        what = ", ".join(unsupported + sorted(extra_modules))
+        raise QLoraError(f"lora_model_dir {source}: the adapter uses {what}, which qlora does not train")
+    try:
+        adopted = {
+            "lora_r": int(saved["r"]),
+            "lora_alpha": float(saved["lora_alpha"]),
+            "peft_use_rslora": bool(saved.get("use_rslora", False)),
+            "train_norms": bool(saved.get("modules_to_save")),
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise QLoraError(f"lora_model_dir {source}: adapter_config.json has no valid {err}") from None
+    targets = _adapter_targets(saved, source)
+    changed = [
+        f"{key} {getattr(config, key)!r} -> {value!r}"
+        for key, value in adopted.items()
+        if getattr(config, key) != value
+    ]
+    if set(config.target_modules) != set(targets):
+        changed.append(f"lora_target_modules -> {targets}")
+    adopted.update(lora_target_modules=targets, lora_target_linear=False)
+    notes = (
+        [f"lora_model_dir: training continues the adapter's shape ({'; '.join(changed)})"] if changed else []
+    )
+    return dataclasses.replace(config, **adopted), notes

@@ -2,7 +2,8 @@
 
 Every key has a type, a default and a range, declared once on the dataclass field; the checker
 reads those declarations, so an error always names the key and what was expected, and an unknown
-key names the closest known one.
+key names the closest known one. Axolotl's keys that are not qlora's own go through axolotl.py
+first. Every problem of a config is collected and reported in one error; null means the default.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from qlora_cli.axolotl import translate
 from qlora_cli.errors import QLoraError
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -91,6 +93,15 @@ class DatasetConfig:
 
 
 @dataclass
+class SpecialTokens:
+    """Tokens of the vocabulary to use as pad, end-of-sequence or begin-of-sequence token."""
+
+    pad_token: str | None = None
+    eos_token: str | None = None
+    bos_token: str | None = None
+
+
+@dataclass
 class TrainConfig:
     base_model: str
     datasets: list[DatasetConfig]
@@ -110,7 +121,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(default=1, metadata=_range(1, 65536))
     num_epochs: float = field(default=1.0, metadata=_range(0, None, lo_open=True))
     max_steps: int | None = field(default=None, metadata=_range(1, None))
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw"] = "adamw_torch"
+    optimizer: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
     learning_rate: float = field(default=2e-4, metadata=_range(0, None, lo_open=True))
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int | None = field(default=None, metadata=_range(0, None))
@@ -122,9 +133,19 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata=_range(0, None))
     val_set_size: int | float = field(default=0.0, metadata=_range(0, None))
     eval_steps: int | None = field(default=None, metadata=_range(1, None))
+    evals_per_epoch: int | None = field(default=None, metadata=_range(1, None))
+    eval_sample_packing: bool | None = None
     output_dir: str = "./outputs/qlora"
     save_steps: int | None = field(default=None, metadata=_range(1, None))
+    saves_per_epoch: int | None = field(default=None, metadata=_range(1, None))
+    save_first_step: bool = False
     save_total_limit: int | None = field(default=None, metadata=_range(1, None))
+    resume_from_checkpoint: str | None = None
+    auto_resume_from_checkpoints: bool = False
+    lora_model_dir: str | None = None
+    special_tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    loss_watchdog_threshold: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
+    loss_watchdog_patience: int | None = field(default=None, metadata=_range(1, None))
     logging_steps: int = field(default=1, metadata=_range(1, None))
     wandb_project: str | None = None
     wandb_entity: str | None = None
@@ -140,6 +161,7 @@ class TrainConfig:
     seed: int = 42
     bf16: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool | Literal["auto"] = True
+    activation_offloading: bool | Literal["auto"] = "auto"
     memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
     attention: Literal["auto", "triton", "sdpa"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -151,6 +173,8 @@ class TrainConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     dataset_exact_deduplication: bool = False
     excess_length_strategy: Literal["truncate", "drop"] = "truncate"
+    # What translating Axolotl's keys had to say; printed once when the run starts, never saved.
+    notes: list[str] = field(default_factory=list, compare=False, repr=False, metadata={"derived": True})
 
     @property
     def target_modules(self) -> list[str]:
@@ -159,37 +183,6 @@ class TrainConfig:
     @property
     def quantize(self) -> bool:
         return self.load_in_4bit
-
-
-# Axolotl keys that change nothing here: accepted with a note, so existing configs run unchanged.
-IGNORED_KEYS = {
-    "flash_attention": "qlora always uses fused attention (see the 'attention' key)",
-    "sdp_attention": "qlora always uses fused attention (see the 'attention' key)",
-    "xformers_attention": "qlora always uses fused attention (see the 'attention' key)",
-    "strict": "qlora always checks keys strictly",
-    "tf32": "qlora computes in bf16",
-    "dataset_prepared_path": "qlora tokenizes in memory at the start of each run; nothing is cached",
-    "dataset_processes": "the Rust tokenizer already uses every core",
-    "dataset_num_proc": "the Rust tokenizer already uses every core",
-    "shuffle_merged_datasets": "qlora shuffles the training rows every epoch, by seed",
-    "group_by_length": "qlora packs or pads per micro-batch",
-    "model_type": "the model type is read from config.json",
-    "tokenizer_type": "the tokenizer is read from the model folder",
-    "is_llama_derived_model": "the model type is read from config.json",
-}
-
-# Axolotl keys whose meaning qlora does not implement: refused, since ignoring them would change the run.
-UNSUPPORTED_KEYS = {
-    "fp16": "qlora trains in bf16 (set bf16: true, or bf16: false for fp32)",
-    "load_in_8bit": "qlora quantizes to NF4 only (load_in_4bit)",
-    "deepspeed": "use torchrun for several GPUs",
-    "fsdp": "use torchrun for several GPUs",
-    "fsdp_config": "use torchrun for several GPUs",
-    "lora_modules_to_save": "only LoRA adapters (and norms with train_norms) are trained",
-    "special_tokens": "the tokenizer is used as the checkpoint ships it",
-    "resume_from_checkpoint": "use `qlora resume OUTPUT_DIR`",
-    "early_stopping_patience": "not implemented",
-}
 
 
 def _type_name(tp: Any) -> str:
@@ -219,6 +212,14 @@ def _float_from_text(text: str) -> Any:
         return text
 
 
+class _Problems(QLoraError):
+    """Every problem found inside one mapping (a dataset entry), carried up to the top-level list."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Check one value against a field type; returns the value in that type."""
     origin = typing.get_origin(tp)
@@ -226,6 +227,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         for option in typing.get_args(tp):
             try:
                 return _convert(value, option, where)
+            except _Problems:
+                raise
             except QLoraError:
                 continue
         raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
@@ -237,7 +240,18 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        problems: list[str] = []
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_convert(v, item, f"{where}[{i}]"))
+            except _Problems as err:
+                problems.extend(err.problems)
+            except QLoraError as err:
+                problems.append(str(err))
+        if problems:
+            raise _Problems(problems)
+        return items
     if origin is dict:
         if not isinstance(value, dict):
             raise QLoraError(f"config key '{where}': expected {_type_name(tp)}, got {value!r}")
@@ -250,7 +264,11 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise QLoraError(f"config key '{where}': expected a mapping, got {value!r}")
-        return _build(tp, value, prefix=f"{where}.")
+        problems = []
+        built = _build(tp, value, problems, prefix=f"{where}.")
+        if problems:
+            raise _Problems(problems)
+        return built
     if tp is float and isinstance(value, str):
         value = _float_from_text(value)
     ok = {
@@ -265,36 +283,55 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return float(value) if tp is float else value
 
 
-def _check_range(name: str, value: Any, bounds: tuple) -> None:
+def _range_problem(name: str, value: Any, bounds: tuple) -> str | None:
     lo, hi, lo_open, hi_open = bounds
     if value is None:
-        return
+        return None
     too_low = lo is not None and (value <= lo if lo_open else value < lo)
     too_high = hi is not None and (value >= hi if hi_open else value > hi)
-    if too_low or too_high:
-        left = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
-        right = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
-        expected = " and ".join(p for p in (left, right) if p)
-        raise QLoraError(f"config key '{name}': expected a value {expected}, got {value!r}")
+    if not (too_low or too_high):
+        return None
+    left = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
+    right = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
+    expected = " and ".join(p for p in (left, right) if p)
+    return f"config key '{name}': expected a value {expected}, got {value!r}"
 
 
-def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+def _build(cls: type, raw: dict, problems: list[str], prefix: str = "", failed: set | None = None) -> Any:
+    """The dataclass `cls` from `raw`, each problem added to `problems` and its key to `failed`.
+
+    Keys that failed take their defaults (required ones an empty value), so the rules among keys can
+    still be checked; the caller drops the rules that concern a failed key.
+    """
+    failed = set() if failed is None else failed
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
     values = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
         if key not in fields:
-            if not prefix and key in UNSUPPORTED_KEYS:
-                raise QLoraError(f"config key '{key}' is not supported: {UNSUPPORTED_KEYS[key]}")
-            if not prefix and key in IGNORED_KEYS:
-                continue
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise QLoraError(f"unknown config key '{name}'{hint}")
-        value = _convert(value, hints[key], name)
-        if "range" in fields[key].metadata:
-            _check_range(name, value, fields[key].metadata["range"])
+            problems.append(f"unknown config key '{name}'{hint}")
+            failed.add(key)
+            continue
+        if value is None:
+            continue
+        try:
+            value = _convert(value, hints[key], name)
+        except _Problems as err:
+            problems.extend(err.problems)
+            failed.add(key)
+            continue
+        except QLoraError as err:
+            problems.append(str(err))
+            failed.add(key)
+            continue
+        out_of_range = _range_problem(name, value, fields[key].metadata.get("range", (None,) * 4))
+        if out_of_range:
+            problems.append(out_of_range)
+            failed.add(key)
+            continue
         values[key] = value
     missing = [
         f.name
@@ -303,8 +340,11 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
-    if missing:
-        raise QLoraError(f"config is missing the required key '{prefix}{missing[0]}'")
+    for name in missing:
+        if name not in failed:
+            problems.append(f"config is missing the required key '{prefix}{name}'")
+        failed.add(name)
+        values[name] = [] if typing.get_origin(hints[name]) is list else ""
     return cls(**values)
 
 
@@ -342,24 +382,54 @@ def _dataset_problems(config: TrainConfig) -> list[str]:
     return problems
 
 
-def _check_consistency(config: TrainConfig) -> None:
+def _consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str, ...], str]]:
+    """(the keys it concerns, the problem) for each rule among keys that holds no more."""
     if not config.datasets:
-        raise QLoraError("config key 'datasets': expected at least one dataset")
-    problems = _dataset_problems(config)
-    if problems:
-        raise QLoraError("; ".join(problems))
+        yield ("datasets",), "config key 'datasets': expected at least one dataset"
+    for problem in _dataset_problems(config):
+        yield (), problem
     unknown = sorted(set(config.target_modules) - set(ALL_PROJECTIONS))
     if unknown:
-        raise QLoraError(
+        yield (
+            ("lora_target_modules",),
             f"config key 'lora_target_modules': unknown module '{unknown[0]}' "
-            f"(expected some of {', '.join(ALL_PROJECTIONS)})"
+            f"(expected some of {', '.join(ALL_PROJECTIONS)})",
         )
     if not config.target_modules:
-        raise QLoraError("config key 'lora_target_modules': expected at least one module")
+        yield ("lora_target_modules",), "config key 'lora_target_modules': expected at least one module"
     if config.adapter == "qlora" and not config.load_in_4bit:
-        raise QLoraError("config key 'adapter': 'qlora' needs load_in_4bit: true (use adapter: lora)")
+        yield (
+            ("adapter", "load_in_4bit"),
+            "config key 'adapter': 'qlora' needs load_in_4bit: true (use adapter: lora)",
+        )
     if config.gradient_checkpointing == "auto" and config.memory_budget_gb is None:
-        raise QLoraError("config key 'gradient_checkpointing': 'auto' needs memory_budget_gb")
+        yield (
+            ("gradient_checkpointing", "memory_budget_gb"),
+            "config key 'gradient_checkpointing': 'auto' needs memory_budget_gb",
+        )
+    for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        if getattr(config, per_epoch) is not None and getattr(config, steps) is not None:
+            yield (
+                (per_epoch, steps),
+                f"config keys '{per_epoch}' and '{steps}' are both set: keep one of them",
+            )
+    if config.loss_watchdog_patience is not None and config.loss_watchdog_threshold is None:
+        yield (
+            ("loss_watchdog_patience", "loss_watchdog_threshold"),
+            "config key 'loss_watchdog_patience' needs loss_watchdog_threshold (the loss that counts as too high)",
+        )
+    if config.resume_from_checkpoint is not None and config.auto_resume_from_checkpoints:
+        yield (
+            ("resume_from_checkpoint", "auto_resume_from_checkpoints"),
+            "config keys 'resume_from_checkpoint' and 'auto_resume_from_checkpoints' are both set: keep one",
+        )
+
+
+def config_problems(problems: list[str]) -> QLoraError:
+    """One error for all of a config's problems: one line each."""
+    if len(problems) == 1:
+        return QLoraError(problems[0])
+    return QLoraError(f"the config has {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -417,8 +487,15 @@ def read_yaml(path: Path) -> dict:
 
 
 def config_from_dict(raw: dict) -> TrainConfig:
-    config = _build(TrainConfig, raw)
-    _check_consistency(config)
+    """A checked TrainConfig, or one QLoraError that lists every problem of `raw`."""
+    translated = translate(raw)
+    problems = list(translated.problems)
+    failed: set[str] = set()
+    config = _build(TrainConfig, translated.raw, problems, failed=failed)
+    problems += [p for keys, p in _consistency_problems(config) if not failed.intersection(keys)]
+    if problems:
+        raise config_problems(problems)
+    config.notes = translated.notes
     return config
 
 
@@ -431,7 +508,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def config_to_dict(config: TrainConfig) -> dict:
-    return dataclasses.asdict(config)
+    """The config's keys and values, as saved beside a checkpoint (the notes are not a key)."""
+    derived = {f.name for f in dataclasses.fields(config) if f.metadata.get("derived")}
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in derived}
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

@@ -6,12 +6,14 @@ step it through qlora_cli/step.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qlora_cli.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.config import TrainConfig
 from qlora_cli.data import BatchPlan, prepare_data
 from qlora_cli.distributed import Distributed
@@ -40,10 +42,13 @@ class Run:
     dist: Distributed
     loss_module: torch.nn.Module
     graphed: GraphedLoss | None = None
+    eval_every: int | None = None  # optimizer steps between evaluations
+    save_every: int | None = None  # optimizer steps between checkpoints
 
-    def packed_doc_ids(self, batch):
+    @staticmethod
+    def packed_doc_ids(batch, plan: BatchPlan):
         """Document ids matter only in packed rows; a padded single-document row is plain causal."""
-        return batch.doc_ids if self.config.sample_packing else None
+        return batch.doc_ids if plan.sample_packing else None
 
 
 def _check_output_dir(path: Path) -> None:
@@ -67,8 +72,15 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
             f"of {spec.max_position_embeddings} (max_position_embeddings)"
         )
     tokenizer = ChatTokenizer.from_folder(folder)
+    tokenizer.use_special_tokens(**dataclasses.asdict(config.special_tokens))
+    notes = list(config.notes)
+    start_adapter = None
+    if config.lora_model_dir is not None:
+        saved, start_adapter = read_peft_adapter(resolve_model(config.lora_model_dir))
+        config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
+        notes += adopted
     data = prepare_data(config, tokenizer)
-    notes = data.notes()
+    notes += data.notes()
     train_examples, eval_examples = data.train, data.validation
     plan_args = dict(
         micro_batch_size=config.micro_batch_size,
@@ -78,9 +90,16 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         pad_token_id=tokenizer.pad_token_id,
     )
     train_plan = BatchPlan(train_examples, **plan_args)
-    eval_plan = BatchPlan(eval_examples, **plan_args) if eval_examples else None
+    eval_packing = config.sample_packing if config.eval_sample_packing is None else config.eval_sample_packing
+    eval_plan = (
+        BatchPlan(eval_examples, **{**plan_args, "sample_packing": eval_packing}) if eval_examples else None
+    )
     batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
+    steps_per_epoch = max(1, math.ceil(batches_per_step))
+    eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
+    if eval_every and eval_plan is None:
+        notes.append("no validation set (val_set_size is 0): nothing to evaluate")
     tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
     offload = offloads_activations(
         config.activation_offloading,
@@ -115,6 +134,8 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         offload_activations=offload,
         seed=config.seed,
     )
+    if start_adapter is not None:
+        load_adapter_state(model, start_adapter, config.lora_model_dir)
     model.train()
     optimizer = torch.optim.AdamW(
         model.trainable_parameters(),
@@ -122,7 +143,7 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_epsilon,
         weight_decay=config.weight_decay,
-        fused=device.type == "cuda",
+        fused=config.optimizer == "adamw_torch_fused",
     )
     loss_module = dist.wrap(model)
     graphed = None
@@ -140,4 +161,13 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
         dist=dist,
         loss_module=loss_module,
         graphed=graphed,
+        eval_every=eval_every,
+        save_every=_every(config.save_steps, config.saves_per_epoch, steps_per_epoch),
     )
+
+
+def _every(steps: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
+    """Optimizer steps between evaluations or saves: given as steps, or as a count per epoch."""
+    if per_epoch is None:
+        return steps
+    return max(1, math.ceil(steps_per_epoch / per_epoch))

@@ -87,7 +87,7 @@ def train_step(run: Run, step: int) -> StepLoss:
             with region(Op.DATA):
                 batch = batch.to(run.device)
             exchange = dist.accumulating(run.loss_module, last=i == len(batches) - 1)
-            doc_ids = run.packed_doc_ids(batch)
+            doc_ids = run.packed_doc_ids(batch, plan)
         else:
             batch = batch.padded_to(config.micro_batch_size)
             exchange, doc_ids = contextlib.nullcontext(), batch.doc_ids
@@ -123,7 +123,7 @@ def evaluate(run: Run) -> tuple[float, float]:
         for index in run.dist.shard(plan.num_batches):
             batch = plan.batch(0, index).to(run.device)
             total, n = model.loss(
-                batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch)
+                batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch, plan)
             )
             loss_sum += total.double().cpu()
             count += int(n)

@@ -163,6 +163,26 @@ class ChatTokenizer:
             template_source=source,
         )
 
+    def use_special_tokens(self, **tokens: str | None) -> None:
+        """Take other tokens of the vocabulary as pad_token, eos_token or bos_token (the config's
+        special_tokens); a token the vocabulary lacks is refused, since the embeddings stay frozen."""
+        missing = [
+            (role, token) for role, token in tokens.items() if token and self.token_to_id(token) is None
+        ]
+        if missing:
+            raise QLoraError(
+                "; ".join(
+                    f"config key 'special_tokens.{role}': {token!r} is not in the vocabulary of {self.source}"
+                    for role, token in missing
+                )
+                + f"; qlora cannot add tokens (the embeddings stay frozen): use tokens it has (its pad token "
+                f"is {self.pad_token!r}) or remove the key"
+            )
+        for role, token in tokens.items():
+            if token:
+                setattr(self, role, token)
+                setattr(self, f"{role}_id", self.token_to_id(token))
+
     def _required_id(self, token: str, role: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:

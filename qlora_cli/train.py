@@ -67,6 +67,25 @@ class StepOutcome:
         return self.loss_sum / max(1, self.trained_tokens)
 
 
+class LossWatchdog:
+    """Stops a run whose loss stays above a threshold for `patience` steps in a row: training broke down."""
+
+    def __init__(self, threshold: float | None, patience: int | None):
+        self.threshold = threshold
+        self.patience = patience or 3
+        self.high: list[float] = []
+
+    def too_high(self, loss: float) -> bool:
+        if self.threshold is None:
+            return False
+        self.high = self.high + [loss] if loss > self.threshold else []
+        return len(self.high) >= self.patience
+
+    def describe(self) -> str:
+        losses = ", ".join(f"{loss:.4g}" for loss in self.high)
+        return f"loss above loss_watchdog_threshold {self.threshold:g} for {len(self.high)} steps in a row ({losses})"
+
+
 class StopSignals:
     """SIGINT/SIGTERM set a flag; the loop finishes its step, saves, and exits non-zero."""
 
@@ -183,8 +202,33 @@ def train(
     Under torchrun every process calls this and they share the work (distributed.py); rank 0 alone
     prints and writes files.
     """
+    if resume_from is None:
+        resume_from = configured_resume(config)
     with distributed(select_device(config.device)) as dist:
         return _train(config, dist, resume_from, console or Console(stderr=True), profiler)
+
+
+def configured_resume(config: TrainConfig) -> Path | None:
+    """The checkpoint the config says to continue: resume_from_checkpoint, or with
+    auto_resume_from_checkpoints the newest complete one in output_dir (none there: a fresh start)."""
+    if config.auto_resume_from_checkpoints:
+        return latest_checkpoint(Path(config.output_dir))
+    if config.resume_from_checkpoint is None:
+        return None
+    checkpoint = Path(config.resume_from_checkpoint)
+    if not checkpoint.is_dir():
+        raise QLoraError(f"config key 'resume_from_checkpoint': {checkpoint} is not a checkpoint folder")
+    return checkpoint
+
+
+def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
+    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights."""
+    for key in BREAKING_KEYS:
+        if getattr(config, key) != getattr(saved, key):
+            raise QLoraError(
+                f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
+                f"{getattr(config, key)!r}, which changes the trained weights"
+            )
 
 
 def _train(
@@ -200,6 +244,9 @@ def _train(
     if resume_from is not None:
         check_world_size(resume_from, dist.world_size)
     run = build_run(config, dist, eager=profiler is not None)
+    config = run.config
+    if resume_from is not None:
+        check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
@@ -209,13 +256,14 @@ def _train(
         _announce(run, trackers, out)
         log = _metrics_log(run, None if resume_from is None else start)
         window = MetricWindow(run)
+        watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
         last_checkpoint, loss = resume_from, None
         if run.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.device)
         with StopSignals() as signals, out.progress(run.total_steps, start) as progress:
             for step in range(start, run.total_steps):
                 with profiler.step(run.device) if profiler else contextlib.nullcontext():
-                    outcome = _run_step(run, step, signals, last_checkpoint)
+                    outcome = _run_step(run, step, signals, watchdog, last_checkpoint)
                 done, loss = step + 1, outcome.loss
                 window.add(outcome)
                 record = window.close(done, outcome.grad_norm) if window.due(done) else None
@@ -223,7 +271,7 @@ def _train(
                 if record is not None:
                     _publish(record, log, metrics, progress, trackers)
                 progress.advance_to(done)
-                if outcome.stop_signal or _checkpoint_due(config, done, run.total_steps):
+                if outcome.stop_signal or _checkpoint_due(run, done):
                     last_checkpoint = _save(run, done, metrics, trackers)
                 if outcome.stop_signal:
                     raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
@@ -265,23 +313,27 @@ def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
     return MetricsLog(Path(run.config.output_dir) / "metrics.jsonl", resumed_at)
 
 
-def _run_step(run: Run, step: int, signals: StopSignals, last_checkpoint: Path | None) -> StepOutcome:
+def _run_step(
+    run: Run, step: int, signals: StopSignals, watchdog: LossWatchdog, last_checkpoint: Path | None
+) -> StepOutcome:
     """Forward, backward and update of optimizer step `step`; every rank learns of any rank's
-    signal here, so all stop after the same step. A non-finite loss stops the run before the update."""
+    signal here, so all stop after the same step. A non-finite loss, or one the watchdog finds too
+    high for too long, stops the run before the update."""
     loss_sum, trained, inputs = train_step(run, step)
     loss_sum, inputs = run.dist.sum(loss_sum, inputs)
     stop_signal = int(run.dist.max(signals.received or 0))
+    kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
     if not math.isfinite(loss_sum):
-        kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
         raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+    if watchdog.too_high(loss_sum / max(1, trained)):
+        raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
     grad_norm = optimizer_step(run, step)
     return StepOutcome(loss_sum, trained, int(inputs), grad_norm, stop_signal)
 
 
 def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:
     """The step's record with the validation loss added when an evaluation is due."""
-    config = run.config
-    if run.eval_plan is None or not config.eval_steps or done % config.eval_steps:
+    if run.eval_plan is None or not run.eval_every or done % run.eval_every:
         return record
     eval_loss, eval_ppl = evaluate(run)
     record = record or {"step": done}
@@ -300,8 +352,9 @@ def _publish(
     trackers.log(record)
 
 
-def _checkpoint_due(config: TrainConfig, done: int, total_steps: int) -> bool:
-    return bool(config.save_steps and done % config.save_steps == 0) or done == total_steps
+def _checkpoint_due(run: Run, done: int) -> bool:
+    first = run.config.save_first_step and done == 1
+    return bool(run.save_every and done % run.save_every == 0) or first or done == run.total_steps
 
 
 def _interrupted(run: Run, stop_signal: int, done: int, checkpoint: Path) -> RunInterrupted:
@@ -338,12 +391,7 @@ def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), co
     for text in overrides:
         apply_override(raw, *parse_override(text))
     config = config_from_dict(raw)
-    for key in BREAKING_KEYS:
-        if getattr(config, key) != getattr(saved, key):
-            raise QLoraError(
-                f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
-                f"{getattr(config, key)!r}, which changes the trained weights"
-            )
+    check_continues(saved, config, checkpoint)
     if Path(config.output_dir).resolve() != output_dir.resolve():
         config = dataclasses.replace(config, output_dir=str(output_dir))
     return train(config, resume_from=checkpoint, console=console)
