@@ -101,8 +101,16 @@ def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bo
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")
     tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
+    offload_setting = config.activation_offloading
+    if dist.world_size > 1 and offload_setting:
+        if offload_setting is True:
+            notes.append(
+                "activation_offloading: not with several processes yet (DDP's gradient hooks do not "
+                "follow an offloaded layer's own backward); recomputed layers keep their input on the GPU"
+            )
+        offload_setting = False
     offload = offloads_activations(
-        config.activation_offloading,
+        offload_setting,
         config.gradient_checkpointing,
         spec,
         tokens_per_micro_batch,

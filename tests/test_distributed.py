@@ -118,7 +118,7 @@ def test_torchrun_environment_must_be_complete(monkeypatch):
         ),
         (2, dict(gradient_checkpointing=True, activation_offloading=True, max_grad_norm=0)),
     ],
-    ids=["qlora-nproc", "torchrun-accumulating", "torchrun-offloaded"],
+    ids=["qlora-nproc", "torchrun-accumulating", "torchrun-offloading-asked"],
 )
 def test_two_processes_match_one_process_with_twice_the_accumulation(
     tmp_path, reference_ops, monkeypatch, capfd, accumulation, settings
@@ -142,6 +142,8 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(
     assert code == 0, err
     two = tmp_path / "two" / "out"
     assert err.count("done: 4 steps") == 1 and err.count("data parallel over 2 processes") == 1
+    if settings.get("activation_offloading"):
+        assert err.count("activation_offloading: not with several processes yet") == 1
     one_records, two_records = _records(one.output_dir), _records(two)
     assert [r["step"] for r in two_records] == [r["step"] for r in one_records] == [1, 2, 3, 4]
     for a, b in zip(one_records, two_records, strict=True):
