@@ -361,6 +361,21 @@ from qlora_cli.cli import main
 main()
 """
 
+# Each step lasts half a second, so quick signals 30 ms apart all land inside one step however fast
+# the machine trains; without it a fast CPU finishes step and save before the second signal arrives.
+SLOW_STEP = """
+import sys, time
+from qlora_cli import train
+real = train.train_step
+def slow(*args, **kwargs):
+    time.sleep(0.5)
+    return real(*args, **kwargs)
+train.train_step = slow
+sys.argv = ["qlora", "train", sys.argv[1]]
+from qlora_cli.cli import main
+main()
+"""
+
 
 def _start_training(tmp_path, config, script: str | None = None) -> subprocess.Popen:
     marker = tmp_path / "saving"
@@ -412,7 +427,7 @@ def test_a_signal_before_the_first_step_stops_at_once_with_a_line(tmp_path):
 def test_a_second_ctrl_c_asks_for_patience_and_the_checkpoint_is_saved(tmp_path):
     config = write_run(tmp_path / "run", max_steps=400, save_steps=1)
     out = tmp_path / "run" / "out"
-    proc = _start_training(tmp_path, config)
+    proc = _start_training(tmp_path, config, SLOW_STEP)
     _wait_for(out / "checkpoint-1", proc)
     code, err = _signal(proc, 2)
     assert code == 128 + signal.SIGINT
@@ -425,7 +440,7 @@ def test_a_second_ctrl_c_asks_for_patience_and_the_checkpoint_is_saved(tmp_path)
 def test_three_quick_ctrl_c_abort_and_name_the_last_checkpoint(tmp_path):
     config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
     out = tmp_path / "run" / "out"
-    proc = _start_training(tmp_path, config)
+    proc = _start_training(tmp_path, config, SLOW_STEP)
     _wait_for(out / "checkpoint-2", proc)
     code, err = _signal(proc, 3)
     assert code == 128 + signal.SIGINT
