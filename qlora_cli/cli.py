@@ -13,7 +13,8 @@ from rich.markup import escape
 
 from qlora_cli import __version__
 from qlora_cli.allocator import prefer_expandable_segments
-from qlora_cli.errors import QLoraError
+from qlora_cli.errors import QLoraError, RunAborted
+from qlora_cli.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
     name="qlora",
@@ -71,8 +72,17 @@ def train(
         ),
     ] = False,
     nproc: NprocOption = 1,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Delete the checkpoints and adapter of an earlier run in output_dir first "
+            "(like overwrite_output_dir: true); without it, training into such a folder is refused.",
+        ),
+    ] = False,
 ) -> None:
     """Train LoRA adapters on an NF4-quantized base model, as CONFIG says."""
+    set_ = [*(set_ or ()), *(["overwrite_output_dir=true"] if overwrite else [])]
     if profile and (nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise QLoraError("--profile times a single process; profile without --nproc or torchrun")
     if nproc > 1:
@@ -238,13 +248,16 @@ def main() -> None:
     other_rank = os.environ.get("RANK", "0") != "0"
     console.quiet = other_rank
     prefer_expandable_segments()
+    answer_signals()
     try:
         app()
     except QLoraError as err:
+        ignore_signals()
         if not other_rank or hasattr(err, "failed_rank"):
             console.quiet = False
             console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]")
-        sys.exit(130)
+    except RunAborted as err:
+        ignore_signals()
+        console.print(f"[bold red]interrupted:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(err.exit_code)

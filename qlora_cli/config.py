@@ -136,6 +136,7 @@ class TrainConfig:
     evals_per_epoch: int | None = field(default=None, metadata=_range(1, None))
     eval_sample_packing: bool | None = None
     output_dir: str = "./outputs/qlora"
+    overwrite_output_dir: bool = False
     save_steps: int | None = field(default=None, metadata=_range(1, None))
     saves_per_epoch: int | None = field(default=None, metadata=_range(1, None))
     save_first_step: bool = False

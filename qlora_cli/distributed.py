@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from qlora_cli.checkpoint import latest_checkpoint, read_trainer_state
+from qlora_cli.checkpoint import read_trainer_state
 from qlora_cli.config import load_config
 from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
+from qlora_cli.rundir import check_new_run, latest_checkpoint
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_KEY = "qlora/first-failure"
@@ -297,8 +298,10 @@ def _set_options(overrides) -> list[str]:
 
 
 def launch_train(nproc: int, config_path: Path, overrides=()) -> int:
-    """`qlora train CONFIG` in `nproc` processes; a bad config is one error here, before any starts."""
-    load_config(config_path, overrides)
+    """`qlora train CONFIG` in `nproc` processes; a bad config or an output_dir holding another run is one
+    error here, before any starts."""
+    config = load_config(config_path, overrides)
+    check_new_run(Path(config.output_dir), config.overwrite_output_dir)
     return _launch(nproc, ["train", str(config_path), *_set_options(overrides)])
 
 

@@ -23,3 +23,26 @@ class RunInterrupted(QLoraError):
     def __init__(self, message: str, signal_number: int):
         super().__init__(message)
         self.exit_code = 128 + signal_number
+
+
+class WriteFailed(QLoraError):
+    """The disk refused a write (full, read-only, gone): the message names the file and the reason.
+
+    Nothing the user typed was wrong, so the exit code is 1, as for any other failed run; what was
+    written before stays as it was.
+    """
+
+    exit_code = 1
+
+
+class RunAborted(BaseException):
+    """A signal that ends a command at once: before a run's first step, the third Ctrl-C, or any
+    signal outside training. The message says what was kept.
+
+    It is no Exception, so no `except Exception` on its way out swallows it, and no KeyboardInterrupt,
+    which the CLI framework would turn into a silent exit.
+    """
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.exit_code = 128 + signal_number

@@ -9,6 +9,7 @@ half-written behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,14 +19,16 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qlora_cli.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.checkpoint import latest_checkpoint, read_checkpoint_config, read_trainer_state
+from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state
 from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
-from qlora_cli.errors import QLoraError
-from qlora_cli.hub import TOKENIZER_FILES, resolve_model
+from qlora_cli.errors import QLoraError, WriteFailed
+from qlora_cli.files import describe, save_tensors, write_json
+from qlora_cli.hub import TOKENIZER_FILES, model_reference, resolve_model
 from qlora_cli.model import QLoRAModel
+from qlora_cli.rundir import usable_checkpoint
 from qlora_cli.settings import lora_config
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
@@ -60,13 +63,18 @@ def parse_size(text: str) -> int:
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The folder itself when it is a checkpoint, else the newest complete checkpoint inside it."""
+    """The folder itself when it is a checkpoint, else the newest complete checkpoint of the run that
+    owns it (an output_dir may also hold checkpoints of runs it was taken from)."""
     path = Path(path)
     if not path.exists():
         raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
     if (path / "trainer_state.json").is_file():
         return path
-    found = latest_checkpoint(path) if path.is_dir() else None
+    found = (
+        usable_checkpoint(path, "export it with `qlora export {checkpoint} --out …`")
+        if path.is_dir()
+        else None
+    )
     if found is None:
         raise QLoraError(
             f"{path} holds no complete checkpoint (a checkpoint-<step> folder with trainer_state.json)"
@@ -142,7 +150,7 @@ class ShardWriter:
         self.total_size += size
 
     def _flush(self) -> None:
-        save_file(self.pending, str(self._provisional(len(self.shards) + 1)), metadata=SAFETENSORS_METADATA)
+        save_tensors(self.pending, self._provisional(len(self.shards) + 1), metadata=SAFETENSORS_METADATA)
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -157,12 +165,8 @@ class ShardWriter:
             self._provisional(index).rename(self.folder / final)
             weight_map.update(dict.fromkeys(names, final))
         index_file = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        _write_json(self.folder / "model.safetensors.index.json", index_file)
+        write_json(self.folder / "model.safetensors.index.json", index_file)
         return count
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def _read_adapter(checkpoint: Path, skeleton: QLoRAModel, base_folder: Path) -> dict[str, torch.Tensor]:
@@ -211,7 +215,7 @@ def _write_merged(
     for name, tensor in stream_tensors(base_folder, spec):
         writer.add(name, merge_tensor(name, tensor, adapter, scaling, round_trip).to(DTYPES[dtype]))
     shards = writer.finish()
-    _write_json(folder / "config.json", _base_config(base_folder, dtype))
+    write_json(folder / "config.json", _base_config(base_folder, dtype))
     if (base_folder / "generation_config.json").is_file():
         shutil.copyfile(base_folder / "generation_config.json", folder / "generation_config.json")
     return shards
@@ -338,6 +342,8 @@ def export(
     except QLoraError as err:
         raise QLoraError(f"cannot find the base model of checkpoint {checkpoint}: {err}") from None
     _check_out(out, force, [base_folder])
+    base_model, revision = model_reference(config.base_model, config.revision, base_folder)
+    config = dataclasses.replace(config, base_model=base_model, revision=revision)
     spec = read_spec(base_folder)
     skeleton = QLoRAModel(spec, lora_config(config))
     adapter = _read_adapter(checkpoint, skeleton, base_folder)
@@ -352,8 +358,8 @@ def export(
                 temp, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, dtype, max_bytes
             )
         else:
-            save_file(adapter, str(temp / ADAPTER_FILE), metadata=SAFETENSORS_METADATA)
-            _write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
+            save_tensors(adapter, temp / ADAPTER_FILE, metadata=SAFETENSORS_METADATA)
+            write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
         _copy_tokenizer(base_folder, temp)
         card = model_card(config, state, merged=merged, dtype=dtype, round_trip=round_trip)
         (temp / "README.md").write_text(card, encoding="utf-8")
@@ -361,7 +367,7 @@ def export(
             shutil.rmtree(out)
         temp.rename(out)
     except OSError as err:
-        raise QLoraError(f"could not write the export to {out}: {err.strerror or err}") from None
+        raise WriteFailed(f"could not write the export to {out}: {describe(err, temp)}") from None
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return ExportResult(out, checkpoint, merged, base, dtype, shards)

@@ -50,6 +50,7 @@ _DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 
 
@@ -129,6 +130,17 @@ def resolve_tokenizer(
         missing_files_message="has no tokenizer.json; qlora reads fast tokenizers only",
     )
     return _download(repo, token=token, cache_dir=cache_dir)
+
+
+def model_reference(base_model: str, revision: str | None, folder: Path) -> tuple[str, str | None]:
+    """How a saved config names the model that `resolve_model` found in `folder`, so that it is found
+    again from any directory: a local folder by its absolute path, a hub repo by its id and the commit
+    its snapshot was downloaded at (later pushes to the repo do not change a run's weights)."""
+    if Path(base_model).expanduser().exists():
+        return str(folder), revision
+    if folder.parent.name == "snapshots" and _COMMIT.fullmatch(folder.name):
+        return base_model, folder.name
+    return base_model, revision
 
 
 def resolve_dataset(

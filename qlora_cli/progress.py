@@ -5,33 +5,51 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from qlora_cli.errors import QLoraError
+from qlora_cli.errors import QLoraError, WriteFailed
+from qlora_cli.files import describe, replace_file
 
 
 class MetricsLog:
-    """One JSON object per line; on resume, lines past the resumed step are dropped."""
+    """One JSON object per line; on resume, lines past the resumed step are dropped, and so is a line
+    that a killed run left half-written. A refused write ends the run with WriteFailed."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = Path(path)
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [record for record in _records(self.path) if record.get("step", 0) <= resume_step]
+        with self._writing():
+            replace_file(self.path, "".join(json.dumps(record) + "\n" for record in kept).encode())
 
     def write(self, record: dict) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
+        with self._writing(), self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+    @contextmanager
+    def _writing(self):
+        try:
+            yield
+        except OSError as err:
+            raise WriteFailed(f"could not write metrics: {describe(err, self.path)}") from None
+
+
+def _records(path: Path) -> list[dict]:
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def memory_gib(device: torch.device) -> float | None:

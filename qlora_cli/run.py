@@ -19,9 +19,10 @@ from qlora_cli.data import BatchPlan, prepare_data
 from qlora_cli.distributed import Distributed
 from qlora_cli.errors import QLoraError
 from qlora_cli.graphs import GraphedLoss, graphed_loss_for
-from qlora_cli.hub import resolve_model
+from qlora_cli.hub import model_reference, resolve_model
 from qlora_cli.memory import layers_to_checkpoint, offloads_activations
 from qlora_cli.model import QLoRAModel
+from qlora_cli.rundir import check_free_space, space_needed
 from qlora_cli.settings import compute_dtype, lora_config, select_device
 from qlora_cli.tokenizer import ChatTokenizer
 from qlora_cli.weights import read_spec
@@ -44,6 +45,7 @@ class Run:
     graphed: GraphedLoss | None = None
     eval_every: int | None = None  # optimizer steps between evaluations
     save_every: int | None = None  # optimizer steps between checkpoints
+    run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir.py)
 
     @staticmethod
     def packed_doc_ids(batch, plan: BatchPlan):
@@ -51,21 +53,52 @@ class Run:
         return batch.doc_ids if plan.sample_packing else None
 
 
-def _check_output_dir(path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise QLoraError(f"output_dir {path} exists and is not a folder")
+def _absolute(value):
+    """Local paths (alone, in lists or in mappings) made absolute; anything else (a hub id, a glob) as is."""
+    if isinstance(value, list):
+        return [_absolute(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _absolute(item) for key, item in value.items()}
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
 
 
-def build_run(config: TrainConfig, dist: Distributed | None = None, *, eager: bool = False) -> Run:
+def portable_config(config: TrainConfig, model_folder: Path) -> TrainConfig:
+    """The config as checkpoints save it: local paths absolute and a hub model pinned to the commit it
+    was downloaded at, so that the run resumes and exports the same from any directory."""
+    base_model, revision = model_reference(config.base_model, config.revision, model_folder)
+    datasets = [
+        dataclasses.replace(d, path=_absolute(d.path), data_files=_absolute(d.data_files))
+        for d in config.datasets
+    ]
+    return dataclasses.replace(
+        config,
+        base_model=base_model,
+        revision=revision,
+        datasets=datasets,
+        output_dir=str(Path(config.output_dir).expanduser().resolve()),
+    )
+
+
+def build_run(
+    config: TrainConfig,
+    dist: Distributed | None = None,
+    *,
+    eager: bool = False,
+    check_space: bool = False,
+) -> Run:
     """The run a config describes. eager: launch op by op even where CUDA graphs could replay the
-    micro-batches (a profile times ops one by one)."""
-    output_dir = Path(config.output_dir)
-    _check_output_dir(output_dir)
+    micro-batches (a profile times ops one by one). check_space: before any weights load, make sure
+    output_dir has room for the checkpoints and adapter of this model."""
     dist = dist or Distributed(device=select_device(config.device))
     device = dist.device
     dtype = compute_dtype(config, device)
     folder = resolve_model(config.base_model, config.revision)
     spec = read_spec(folder)
+    if check_space:
+        check_free_space(Path(config.output_dir), space_needed(spec, config))
+    config = portable_config(config, folder)
     if config.sequence_len > spec.max_position_embeddings:
         raise QLoraError(
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "

@@ -18,14 +18,17 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from qlora_cli.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config, save_checkpoint
+from qlora_cli.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.config import TrainConfig, apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.distributed import Distributed, check_world_size, distributed
-from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped
+from qlora_cli.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
+from qlora_cli.files import describe, replace_file
 from qlora_cli.profiler.recorder import OpProfiler
 from qlora_cli.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.run import Run, build_run
+from qlora_cli.rundir import ADAPTER_FILES, latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.settings import compute_dtype, select_device
+from qlora_cli.signals import StopSignals
 from qlora_cli.step import evaluate, learning_rate, optimizer_step, train_step
 from qlora_cli.trackers import Trackers
 
@@ -84,28 +87,6 @@ class LossWatchdog:
     def describe(self) -> str:
         losses = ", ".join(f"{loss:.4g}" for loss in self.high)
         return f"loss above loss_watchdog_threshold {self.threshold:g} for {len(self.high)} steps in a row ({losses})"
-
-
-class StopSignals:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves, and exits non-zero."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class MetricWindow:
@@ -179,6 +160,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
         "metrics": metrics[-100:],
         "trackers": trackers.state(),
+        "run_id": run.run_id,
     }
     folder = Path(run.config.output_dir) / f"checkpoint-{step}"
     if dist.is_main:
@@ -200,12 +182,27 @@ def train(
     With a profiler, every optimizer step runs under `profiler.step` (qlora_cli/profiler/recorder.py).
 
     Under torchrun every process calls this and they share the work (distributed.py); rank 0 alone
-    prints and writes files.
+    prints and writes files. The run owns its output_dir while it trains (qlora_cli/rundir.py), and
+    signals are answered from the start (qlora_cli/signals.py).
     """
     if resume_from is None:
         resume_from = configured_resume(config)
-    with distributed(select_device(config.device)) as dist:
-        return _train(config, dist, resume_from, console or Console(stderr=True), profiler)
+    console = console or Console(stderr=True)
+    output_dir = Path(config.output_dir)
+    trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
+    with (
+        StopSignals(console, output_dir) as signals,
+        distributed(select_device(config.device)) as dist,
+        owned_output_dir(
+            output_dir, resume_from=resume_from, overwrite=config.overwrite_output_dir, writer=dist.is_main
+        ) as ownership,
+    ):
+        if not dist.is_main:
+            console = signals.console = Console(quiet=True)
+        signals.resume_option = dist.resume_option
+        for folder in ownership.set_aside:
+            console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
+        return _train(config, dist, resume_from, console, signals, trackers, ownership.run_id, profiler)
 
 
 def configured_resume(config: TrainConfig) -> Path | None:
@@ -236,19 +233,19 @@ def _train(
     dist: Distributed,
     resume_from: Path | None,
     console: Console,
+    signals: StopSignals,
+    trackers: Trackers,
+    run_id: str | None,
     profiler: OpProfiler | None = None,
 ) -> TrainResult:
-    if not dist.is_main:
-        console = Console(quiet=True)
-    trackers = Trackers(config)  # a missing extra stops the run here, before any weights load
     if resume_from is not None:
         check_world_size(resume_from, dist.world_size)
-    run = build_run(config, dist, eager=profiler is not None)
+    run = build_run(config, dist, eager=profiler is not None, check_space=dist.is_main)
+    run.run_id = run_id
     config = run.config
     if resume_from is not None:
         check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore_or_seed(run, resume_from, out)
         if dist.is_main:
@@ -260,8 +257,9 @@ def _train(
         last_checkpoint, loss = resume_from, None
         if run.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.device)
-        with StopSignals() as signals, out.progress(run.total_steps, start) as progress:
+        with out.progress(run.total_steps, start) as progress:
             for step in range(start, run.total_steps):
+                signals.training(step + 1)
                 with profiler.step(run.device) if profiler else contextlib.nullcontext():
                     outcome = _run_step(run, step, signals, watchdog, last_checkpoint)
                 done, loss = step + 1, outcome.loss
@@ -369,11 +367,13 @@ def _interrupted(run: Run, stop_signal: int, done: int, checkpoint: Path) -> Run
 def _write_final_adapter(run: Run, checkpoint: Path) -> None:
     """The last checkpoint's adapter files, also at the top of output_dir where users look first."""
     output_dir = Path(run.config.output_dir)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        target = output_dir / name
-        temp = output_dir / f".{name}.tmp"
-        temp.write_bytes((checkpoint / name).read_bytes())
-        temp.replace(target)
+    for name in ADAPTER_FILES:
+        try:
+            replace_file(output_dir / name, (checkpoint / name).read_bytes())
+        except OSError as err:
+            raise WriteFailed(
+                f"could not write the final adapter: {describe(err, output_dir / name)}"
+            ) from None
 
 
 def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None) -> TrainResult:
@@ -381,7 +381,8 @@ def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), co
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise QLoraError(f"{output_dir} is not a folder with checkpoints")
-    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(output_dir)
+    use_instead = f"continue from it with `qlora resume {output_dir} --checkpoint {{checkpoint}}`"
+    checkpoint = Path(checkpoint) if checkpoint else usable_checkpoint(output_dir, use_instead)
     if checkpoint is None:
         raise QLoraError(f"{output_dir} has no complete checkpoint to resume from")
     if not checkpoint.is_dir():
@@ -390,8 +391,15 @@ def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), co
     raw = config_to_dict(saved)
     for text in overrides:
         apply_override(raw, *parse_override(text))
-    config = config_from_dict(raw)
+    config = _same_folder_as_saved(config_from_dict(raw), saved)
     check_continues(saved, config, checkpoint)
-    if Path(config.output_dir).resolve() != output_dir.resolve():
-        config = dataclasses.replace(config, output_dir=str(output_dir))
+    config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
     return train(config, resume_from=checkpoint, console=console)
+
+
+def _same_folder_as_saved(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
+    """An override naming the saved base model's folder another way (relative, through a link) is no change."""
+    given, kept = Path(config.base_model).expanduser(), Path(saved.base_model)
+    if given.exists() and kept.exists() and given.resolve() == kept.resolve():
+        return dataclasses.replace(config, base_model=saved.base_model)
+    return config

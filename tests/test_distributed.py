@@ -9,11 +9,11 @@ import pytest
 from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
-from qlora_cli.checkpoint import latest_checkpoint
 from qlora_cli.cli import main
 from qlora_cli.config import load_config
 from qlora_cli.distributed import Distributed
 from qlora_cli.errors import QLoraError
+from qlora_cli.rundir import latest_checkpoint
 from qlora_cli.train import resume, train
 
 ROOT = Path(__file__).resolve().parent.parent

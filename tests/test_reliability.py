@@ -1,0 +1,469 @@
+"""Nothing lost: a run owns its output_dir, checks it before loading, survives full disks and damaged
+checkpoints with one clear line, and can be resumed or exported from any directory."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from checkpoints import subprocess_env, write_run
+from safetensors.torch import load_file
+
+from qlora_cli import checkpoint as checkpoint_module
+from qlora_cli.checkpoint import (
+    checkpoint_problem,
+    list_checkpoints,
+    read_checkpoint_config,
+    read_trainer_state,
+    save_checkpoint,
+)
+from qlora_cli.config import load_config
+from qlora_cli.errors import QLoraError
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.rundir import RUN_FILE, latest_checkpoint, run_lock, space_needed
+from qlora_cli.train import train
+from qlora_cli.weights import read_spec
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
+
+def error_line(result, code: int = 2) -> str:
+    got, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert got == code and "Traceback" not in err, err
+    assert lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+def _cli(args, *, cwd=None, file_size_limit=None, **popen):
+    """`qlora ARGS` in a child process; with file_size_limit, no file it writes may grow past that many
+    bytes (RLIMIT_FSIZE: the kernel refuses the write with EFBIG, as a full disk refuses with ENOSPC)."""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run(
+        [sys.executable, "-m", "qlora_cli", *map(str, args)],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit if file_size_limit else None,
+        **popen,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    return error_line((proc.returncode, proc.stdout, proc.stderr), code)
+
+
+# ----- a run owns its output_dir -----
+
+
+def test_training_into_another_runs_folder_refuses_and_names_the_choices(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    line = error_line(run_cli("train", config))
+    assert f"qlora resume {out}" in line and "new output_dir" in line
+    assert "--overwrite" in line and "overwrite_output_dir" in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("how", ["option", "config key"])
+def test_overwrite_removes_the_old_runs_files_first(tmp_path, run_cli, how):
+    config = write_run(tmp_path / "run", max_steps=6, save_steps=2, save_total_limit=2, lora_r=8)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    (out / "notes.txt").write_text("mine")
+    old_run = json.loads((out / RUN_FILE).read_text())["run_id"]
+    args = ["--overwrite"] if how == "option" else ["--set", "overwrite_output_dir=true"]
+    assert run_cli("train", config, "--set", "max_steps=2", "--set", "lora_r=4", *args)[0] == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / RUN_FILE).read_text())["run_id"] != old_run
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    code, _, _ = run_cli("export", out, "--out", tmp_path / "adapter")
+    assert code == 0 and json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+
+def _tiny_model(tmp_path):
+    config = load_config(write_run(tmp_path / "run"))
+    model = QLoRAModel(read_spec(Path(config.base_model)), LoRAConfig(r=4, alpha=8))
+    return config, model, torch.optim.AdamW(model.trainable_parameters())
+
+
+def test_rotation_resume_and_export_never_take_another_runs_checkpoints(tmp_path):
+    config, model, optimizer = _tiny_model(tmp_path)
+    out = tmp_path / "out"
+    for step in (10, 12):
+        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "old"}, config)
+    config.save_total_limit = 2
+    for step in (2, 4, 6):
+        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "new"}, config)
+    names = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert names == ["checkpoint-10", "checkpoint-12", "checkpoint-4", "checkpoint-6"]
+    (out / RUN_FILE).write_text(json.dumps({"run_id": "new"}))
+    assert latest_checkpoint(out) == out / "checkpoint-6"
+    (out / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
+    assert latest_checkpoint(out) == out / "checkpoint-12"
+
+
+def test_a_second_process_cannot_train_into_a_folder_in_use(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=2)
+    out = tmp_path / "run" / "out"
+    out.mkdir()
+    with run_lock(out):
+        proc = _cli(["train", config])
+    line = _one_line(proc, 2)
+    assert "is in use by another qlora process" in line and str(os.getpid()) in line
+    assert not list(out.glob("checkpoint-*"))
+
+
+# ----- preflight: before any weights load -----
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        (lambda tmp: tmp / "file.txt" / "out", "cannot be created: "),
+        (lambda tmp: Path("/proc/qlora-output"), "cannot be created: "),
+        (lambda tmp: Path("/proc"), "is not writable: "),
+        (lambda tmp: tmp / "file.txt", "exists and is not a folder"),
+    ],
+)
+def test_an_unusable_output_dir_is_one_line_before_loading(tmp_path, run_cli, monkeypatch, where, message):
+    (tmp_path / "file.txt").write_text("x")
+    config = write_run(tmp_path / "run")
+    monkeypatch.setattr(QLoRAModel, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    line = error_line(run_cli("train", config, "--set", f"output_dir={where(tmp_path)}"))
+    assert message in line and str(where(tmp_path)) in line
+
+
+def test_space_estimate_covers_two_checkpoints_and_the_adapter(tmp_path):
+    result = train(load_config(write_run(tmp_path / "run", max_steps=2, save_steps=1)))
+    config = read_checkpoint_config(result.checkpoint)
+    used = sum(
+        p.stat().st_size for p in result.output_dir.rglob("*") if p.is_file() and p.name != "metrics.jsonl"
+    )
+    needed = space_needed(read_spec(Path(config.base_model)), config)
+    assert used <= needed < used + (3 << 20)
+
+
+def _unshare_available() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_tmpfs = pytest.mark.skipif(
+    not _unshare_available(), reason="needs user namespaces to mount a small tmpfs without root"
+)
+
+
+def _on_tmpfs(size: str, out: Path, script: str) -> subprocess.CompletedProcess:
+    """Run a shell script in a private mount namespace where `out` is a tmpfs of `size`: a real disk
+    that really fills up, mounted without root."""
+    out.mkdir(parents=True, exist_ok=True)
+    mount = f"mount -t tmpfs -o size={size} none {out} && {script}"
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", mount],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@needs_tmpfs
+def test_too_little_free_space_is_refused_before_loading(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _on_tmpfs("200k", out, f"{sys.executable} -m qlora_cli train {config}")
+    line = _one_line(proc, 2)
+    assert f"output_dir {out} has" in line and "two checkpoints and the final adapter" in line
+
+
+# ----- a full disk or another OS error while writing -----
+
+
+CHECK_AFTER_DISK_FULL = """
+import sys
+from pathlib import Path
+from qlora_cli.checkpoint import checkpoint_problem
+out = Path(sys.argv[1])
+print("kept:", checkpoint_problem(out / "checkpoint-2") or "complete")
+print("folders:", sorted(p.name for p in out.iterdir() if p.is_dir()))
+"""
+
+
+@needs_tmpfs
+def test_disk_full_after_a_checkpoint_keeps_it_and_stops(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=40, save_steps=2)
+    out = tmp_path / "run" / "out"
+    check = tmp_path / "check.py"
+    check.write_text(CHECK_AFTER_DISK_FULL)
+    fill = f"while [ ! -d {out}/checkpoint-2 ]; do sleep 0.02; done; cat /dev/zero > {out}/filler 2>/dev/null"
+    script = (
+        f"{sys.executable} -m qlora_cli train {config} & {fill}; wait $!; code=$?; "
+        f"{sys.executable} {check} {out}; exit $code"
+    )
+    proc = _on_tmpfs("16m", out, script)
+    line = _one_line(proc, 1)
+    assert "No space left on device" in line and str(out) in line
+    assert "kept: complete" in proc.stdout and "folders: ['checkpoint-2']" in proc.stdout
+
+
+def test_a_refused_checkpoint_write_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=6, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _cli(["train", config], file_size_limit=40_000)
+    line = _one_line(proc, 1)
+    assert f"could not write checkpoint {out / 'checkpoint-2'}" in line and "File too large" in line
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == []
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+def test_the_previous_checkpoint_survives_a_refused_save(tmp_path, monkeypatch):
+    path = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    real_save = checkpoint_module.save_tensors
+
+    def refuse_second_checkpoint(tensors, path, *args, **kwargs):
+        if "-4-" in path.parent.name and path.name == "optimizer.safetensors":
+            with open("/dev/full", "wb") as full:
+                full.write(b"x" * 4096)
+        return real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_tensors", refuse_second_checkpoint)
+    with pytest.raises(QLoraError, match="No space left on device") as error:
+        train(load_config(path))
+    out = tmp_path / "run" / "out"
+    assert f"could not write checkpoint {out / 'checkpoint-4'}" in str(error.value)
+    assert f"the last complete checkpoint is still {out / 'checkpoint-2'}" in str(error.value)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert checkpoint_problem(out / "checkpoint-2") is None
+
+
+def test_a_refused_metrics_write_stops_the_run_in_one_line(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=30)
+    proc = _cli(["train", config], file_size_limit=1500)
+    line = _one_line(proc, 1)
+    assert f"could not write metrics: {tmp_path / 'run' / 'out' / 'metrics.jsonl'}: File too large" in line
+
+
+def test_a_refused_export_write_is_one_line_and_leaves_nothing(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=2)
+    assert _cli(["train", config]).returncode == 0
+    proc = _cli(["export", tmp_path / "run" / "out", "--out", tmp_path / "exported"], file_size_limit=10_000)
+    line = _one_line(proc, 1)
+    assert f"could not write the export to {tmp_path / 'exported'}" in line and "File too large" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# ----- portable runs -----
+
+
+def test_a_run_resumes_and_exports_from_any_directory(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    write_run(run, max_steps=4, save_steps=2)
+    relative = yaml.safe_load((run / "config.yaml").read_text())
+    relative.update(
+        base_model="model", output_dir="out", datasets=[{"path": "train.jsonl", "type": "chat_template"}]
+    )
+    (run / "config.yaml").write_text(yaml.safe_dump(relative))
+    assert _cli(["train", "config.yaml", "--set", "max_steps=2"], cwd=run).returncode == 0
+    saved = read_checkpoint_config(run / "out" / "checkpoint-2")
+    assert saved.base_model == str(run / "model") and saved.datasets[0].path == str(run / "train.jsonl")
+    assert saved.output_dir == str(run / "out")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _cli(
+        ["resume", run / "out", "--set", "max_steps=4", "--set", f"base_model={run / 'model'}"], cwd=elsewhere
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli(
+        ["resume", run / "out", "--set", "max_steps=4", "--set", "base_model=../run/model"], cwd=elsewhere
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _cli(["export", run / "out", "--out", "adapter"], cwd=elsewhere).returncode == 0
+    adapter_config = json.loads((elsewhere / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(run / "model")
+
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    AutoPeftModelForCausalLM.from_pretrained(elsewhere / "adapter")
+
+
+def test_saved_files_follow_the_umask(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    assert run_cli("export", out, "--out", tmp_path / "adapter")[0] == 0
+    mask = os.umask(0o022)
+    os.umask(mask)
+    expected = 0o666 & ~mask
+    for path in [*out.rglob("*.safetensors"), *(tmp_path / "adapter").glob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+# ----- a damaged checkpoint -----
+
+
+def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    adapter = out / "checkpoint-4" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    line = error_line(run_cli("resume", out, "--set", "max_steps=6"))
+    assert str(out / "checkpoint-4") in line and "corrupt" in line
+    assert f"qlora resume {out} --checkpoint {out / 'checkpoint-2'}" in line
+    assert f"qlora export {out / 'checkpoint-2'}" in error_line(
+        run_cli("export", out, "--out", tmp_path / "x")
+    )
+    code, _, err = run_cli("resume", out, "--checkpoint", out / "checkpoint-2", "--set", "max_steps=6")
+    assert code == 0, err
+    assert checkpoint_problem(out / "checkpoint-4") is None
+    assert (out / "superseded-checkpoint-4" / "adapter_model.safetensors").stat().st_size == 100
+    assert load_file(out / "checkpoint-6" / "adapter_model.safetensors")
+    assert read_trainer_state(out / "checkpoint-6")["step"] == 6
+
+
+# ----- signals: the first saves, the second asks for patience, the third aborts -----
+
+SLOW_SAVE = """
+import os, sys, time
+from qlora_cli import checkpoint
+real = checkpoint.save_tensors
+def slow(tensors, path, *args, **kwargs):
+    real(tensors, path, *args, **kwargs)
+    if path.parent.name.startswith(".tmp-checkpoint-4-"):
+        open(os.environ["QLORA_TEST_MARKER"], "w").close()
+        time.sleep(60)
+checkpoint.save_tensors = slow
+sys.argv = ["qlora", "train", sys.argv[1]]
+from qlora_cli.cli import main
+main()
+"""
+
+# Each step lasts half a second, so quick signals 30 ms apart all land inside one step however fast
+# the machine trains; without it a fast CPU finishes step and save before the second signal arrives.
+SLOW_STEP = """
+import sys, time
+from qlora_cli import train
+real = train.train_step
+def slow(*args, **kwargs):
+    time.sleep(0.5)
+    return real(*args, **kwargs)
+train.train_step = slow
+sys.argv = ["qlora", "train", sys.argv[1]]
+from qlora_cli.cli import main
+main()
+"""
+
+
+def _start_training(tmp_path, config, script: str | None = None) -> subprocess.Popen:
+    marker = tmp_path / "saving"
+    command = [sys.executable, "-m", "qlora_cli", "train", str(config)]
+    if script is not None:
+        (tmp_path / "child.py").write_text(script)
+        command = [sys.executable, str(tmp_path / "child.py"), str(config)]
+    return subprocess.Popen(
+        command,
+        env=subprocess_env(QLORA_TEST_MARKER=str(marker)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def _signal(proc: subprocess.Popen, times: int, gap: float = 0.03) -> tuple[int, str]:
+    for _ in range(times):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+def _last_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.strip()][-1]
+
+
+def test_a_signal_before_the_first_step_stops_at_once_with_a_line(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=40)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config)
+    _wait_for(out / RUN_FILE, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM received before the first step; nothing was saved" in _last_line(err)
+
+
+def test_a_second_ctrl_c_asks_for_patience_and_the_checkpoint_is_saved(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=1)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SLOW_STEP)
+    _wait_for(out / "checkpoint-1", proc)
+    code, err = _signal(proc, 2)
+    assert code == 128 + signal.SIGINT
+    assert "finishing step" in err and "please wait" in err
+    last = _last_line(err)
+    assert "SIGINT received: stopped after step" in last and f"qlora resume {out}" in last
+    assert checkpoint_problem(latest_checkpoint(out)) is None
+
+
+def test_three_quick_ctrl_c_abort_and_name_the_last_checkpoint(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SLOW_STEP)
+    _wait_for(out / "checkpoint-2", proc)
+    code, err = _signal(proc, 3)
+    assert code == 128 + signal.SIGINT
+    last = _last_line(err)
+    assert "SIGINT received three times: aborted during step" in last
+    assert f"the last complete checkpoint is {out}/checkpoint-" in last and f"qlora resume {out}" in last
+    for _, folder in list_checkpoints(out):
+        assert checkpoint_problem(folder) is None
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-checkpoint")]
+
+
+def test_a_third_ctrl_c_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SLOW_SAVE)
+    _wait_for(tmp_path / "saving", proc)
+    code, err = _signal(proc, 3)
+    assert code == 128 + signal.SIGINT
+    assert "received again" in err
+    last = _last_line(err)
+    assert (
+        f"aborted during step 4 without saving it; the last complete checkpoint is {out / 'checkpoint-2'}"
+        in last
+    )
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert checkpoint_problem(out / "checkpoint-2") is None
