@@ -25,8 +25,9 @@ from qlora_cli.adapter import PREFIX, adapter_config, adapter_state_dict, load_a
 from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state
 from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError, WriteFailed
+from qlora_cli.exported_tokenizer import write_tokenizer
 from qlora_cli.files import describe, save_tensors, write_json
-from qlora_cli.hub import TOKENIZER_FILES, model_reference, resolve_model
+from qlora_cli.hub import model_reference, resolve_model
 from qlora_cli.model import QLoRAModel
 from qlora_cli.rundir import usable_checkpoint
 from qlora_cli.settings import lora_config
@@ -221,12 +222,6 @@ def _write_merged(
     return shards
 
 
-def _copy_tokenizer(base_folder: Path, folder: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (base_folder / name).is_file():
-            shutil.copyfile(base_folder / name, folder / name)
-
-
 def _last(metrics: list[dict], key: str) -> dict | None:
     return next((record for record in reversed(metrics) if key in record), None)
 
@@ -360,7 +355,7 @@ def export(
         else:
             save_tensors(adapter, temp / ADAPTER_FILE, metadata=SAFETENSORS_METADATA)
             write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
-        _copy_tokenizer(base_folder, temp)
+        write_tokenizer(config, base_folder, temp)
         card = model_card(config, state, merged=merged, dtype=dtype, round_trip=round_trip)
         (temp / "README.md").write_text(card, encoding="utf-8")
         if out.exists():

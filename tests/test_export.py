@@ -11,12 +11,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qlora_cli.adapter import load_adapter_state
+from qlora_cli.chat_templates import choose_template
 from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.errors import QLoraError
 from qlora_cli.export import export, parse_size, training_dtype
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import compute_dtype, lora_config
+from qlora_cli.tokenizer import ChatTokenizer
 from qlora_cli.train import train
 from qlora_cli.weights import read_spec
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
@@ -112,6 +114,40 @@ def test_adapter_loads_in_peft_and_matches_our_model(run, tmp_path, reference_op
         loaded = peft_model.get_submodule("base_model.model.model.layers.1.self_attn.k_norm").weight
         assert torch.equal(loaded, ours.layers[1].k_norm.detach())
         assert torch.equal(peft_model.get_submodule("base_model.model.model.norm").weight, ours.norm.detach())
+
+
+CHAT = [  # no system turn: qwen_25 then writes its default one, which the base's template lacks
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "Seven."},
+]
+
+
+@pytest.mark.parametrize("merged, template_file", [(False, True), (True, False)])
+def test_exported_tokenizer_renders_chats_as_training_did(tmp_path, merged, template_file):
+    """A config's chat_template and special_tokens travel with the export: transformers' tokenizer
+    of the exported folder renders a chat exactly as our training tokenizer did, and pads with the
+    configured token; also where the base keeps its template in chat_template.jinja, which
+    transformers reads first."""
+    from transformers import AutoTokenizer
+
+    run = make_run(tmp_path, "qwen3", chat_template="qwen_25", special_tokens={"pad_token": "<|im_end|>"})
+    base = ChatTokenizer.from_folder(run.parent / "model")
+    if template_file:
+        (run.parent / "model" / "chat_template.jinja").write_text(base.chat_template)
+    trained = choose_template(base, "qwen_25", None)
+    assert trained.render_chat(CHAT) != base.render_chat(CHAT)
+    out = export(run, tmp_path / "export", merged=merged).out
+    assert (out / "chat_template.jinja").is_file() == template_file
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.apply_chat_template(CHAT, tokenize=False) == trained.render_chat(CHAT)
+    assert loaded.pad_token == "<|im_end|>" and loaded.eos_token == base.eos_token
+
+
+def test_exported_tokenizer_is_the_base_tokenizer_without_chat_settings(run, tmp_path):
+    out = export(run, tmp_path / "adapter").out
+    base = run.parent / "model"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (base / name).read_bytes()
 
 
 def test_merged_original_base_matches_our_unquantized_model(run, tmp_path, reference_ops):
