@@ -28,7 +28,7 @@ from qlora_cli import prompts
 from qlora_cli.chat_templates import choose_template
 from qlora_cli.data_files import files_for_split, read_split
 from qlora_cli.errors import QLoraError
-from qlora_cli.hub import resolve_dataset
+from qlora_cli.hub import resolve_dataset, snapshot_commit
 from qlora_cli.tokenizer import ChatTokenizer
 
 IGNORE_INDEX = -100
@@ -204,6 +204,8 @@ class PreparedData:
     validation: list[Example]
     loaded: list[tuple[str, ExampleList]]
     duplicates: int = 0
+    datasets: list = dataclasses.field(default_factory=list)  # the entries read, hub ones pinned
+    test_datasets: list = dataclasses.field(default_factory=list)
 
     def notes(self) -> list[str]:
         """One line per dataset whose rows were cut or dropped, and one for removed duplicates."""
@@ -248,17 +250,26 @@ def local_dataset(dataset):
     return dataclasses.replace(dataset, path=str(folder))
 
 
+def pinned_dataset(dataset, local):
+    """The entry as a run saves it: a hub dataset at the commit `local` was downloaded at, so a
+    resumed run reads the rows it started with even after the repo has changed."""
+    commit = snapshot_commit(Path(local.path)) if local.path != dataset.path else None
+    return dataclasses.replace(dataset, revision=commit) if commit else dataset
+
+
 def _load_all(
     datasets: list, tokenizer: ChatTokenizer, config: DataConfig, key: str
-) -> list[tuple[str, ExampleList]]:
-    loaded = []
+) -> tuple[list[tuple[str, ExampleList]], list]:
+    """Each dataset's examples, and the entries as pinned_dataset saves them."""
+    loaded, pinned = [], []
     for dataset in datasets:
         if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
             chosen = choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
         else:
             chosen = choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+        local = local_dataset(dataset)
         examples = load_examples(
-            local_dataset(dataset),
+            local,
             chosen,
             config.sequence_len,
             train_on_inputs=config.train_on_inputs,
@@ -271,7 +282,8 @@ def _load_all(
                 f"{dropped_text(examples, dataset.roles_to_train)}"
             )
         loaded.append((dataset.path, examples))
-    return loaded
+        pinned.append(pinned_dataset(dataset, local))
+    return loaded, pinned
 
 
 def _deduplicated(examples: list[Example]) -> list[Example]:
@@ -290,18 +302,18 @@ def prepare_data(config: DataConfig, tokenizer: ChatTokenizer) -> PreparedData:
 
     Evaluation examples come from test_datasets when there are any, else val_set_size holds them out.
     """
-    loaded = _load_all(config.datasets, tokenizer, config, "datasets")
+    loaded, datasets = _load_all(config.datasets, tokenizer, config, "datasets")
     examples = [example for _, dataset_examples in loaded for example in dataset_examples]
     duplicates = 0
     if config.dataset_exact_deduplication:
         kept = _deduplicated(examples)
         duplicates, examples = len(examples) - len(kept), kept
     if config.test_datasets:
-        tested = _load_all(config.test_datasets, tokenizer, config, "test_datasets")
+        tested, test_datasets = _load_all(config.test_datasets, tokenizer, config, "test_datasets")
         validation = [example for _, dataset_examples in tested for example in dataset_examples]
-        return PreparedData(examples, validation, loaded + tested, duplicates)
+        return PreparedData(examples, validation, loaded + tested, duplicates, datasets, test_datasets)
     train, validation = split_validation(examples, config.val_set_size, config.seed)
-    return PreparedData(train, validation, loaded, duplicates)
+    return PreparedData(train, validation, loaded, duplicates, datasets)
 
 
 # ----- batches -----

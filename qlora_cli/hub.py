@@ -138,9 +138,15 @@ def model_reference(base_model: str, revision: str | None, folder: Path) -> tupl
     its snapshot was downloaded at (later pushes to the repo do not change a run's weights)."""
     if Path(base_model).expanduser().exists():
         return str(folder), revision
+    return base_model, snapshot_commit(folder) or revision
+
+
+def snapshot_commit(folder: Path) -> str | None:
+    """The commit a hub snapshot was downloaded at (huggingface_hub's cache names the folder so), or
+    None for any other folder."""
     if folder.parent.name == "snapshots" and _COMMIT.fullmatch(folder.name):
-        return base_model, folder.name
-    return base_model, revision
+        return folder.name
+    return None
 
 
 def resolve_dataset(

@@ -66,7 +66,8 @@ def _absolute(value):
 
 def portable_config(config: TrainConfig, model_folder: Path) -> TrainConfig:
     """The config as checkpoints save it: local paths absolute and a hub model pinned to the commit it
-    was downloaded at, so that the run resumes and exports the same from any directory."""
+    was downloaded at, so that the run resumes and exports the same from any directory (build_run
+    pins hub datasets once they are downloaded: qlora_cli/data.py, pinned_dataset)."""
     base_model, revision = model_reference(config.base_model, config.revision, model_folder)
     datasets = [
         dataclasses.replace(d, path=_absolute(d.path), data_files=_absolute(d.data_files))
@@ -113,6 +114,7 @@ def build_run(
         config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
         notes += adopted
     data = prepare_data(config, tokenizer)
+    config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
     notes += data.notes()
     train_examples, eval_examples = data.train, data.validation
     plan_args = dict(

@@ -23,6 +23,7 @@ _REPO = r"(?P<repo>[^/]+(?:/[^/]+)?)"
 _TREE_URL = re.compile(rf"/api/(?P<kind>models|datasets)/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?")
 _INFO_URL = re.compile(rf"/api/(?P<kind>models|datasets)/{_REPO}(?:/revision/(?P<rev>[^/]+))?")
 _RESOLVE_URL = re.compile(rf"/(?:(?P<kind>datasets)/)?{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".parquet")
 
 
@@ -97,11 +98,19 @@ class FakeHub:
 
     def commit(self, repo_id: str, revision: str = "main") -> str:
         """The 40-hex commit id the hub reports for `revision`."""
+        if _COMMIT.fullmatch(revision):
+            return revision  # an earlier commit, kept by push()
         repo = self.repos[repo_id]
         digest = hashlib.sha1(f"{repo.repo_type}/{repo_id}@{revision}".encode())
         for path, data in sorted(repo.revisions[revision].items()):
             digest.update(path.encode() + b"\0" + data)
         return digest.hexdigest()
+
+    def push(self, repo_id: str, files: dict[str, bytes]) -> None:
+        """A new commit on main; the one it replaces stays reachable by its id, as on the hub."""
+        repo = self.repos[repo_id]
+        repo.revisions[self.commit(repo_id)] = repo.revisions["main"]
+        repo.revisions["main"] = files
 
     def fetched_files(self, repo_id: str) -> set[str]:
         """Files of `repo_id` whose metadata or content the client asked for (HEAD or GET on /resolve)."""

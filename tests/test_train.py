@@ -12,6 +12,7 @@ import torch
 from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
+from qlora_cli.checkpoint import read_checkpoint_config
 from qlora_cli.config import load_config
 from qlora_cli.errors import QLoraError, TrainingStopped
 from qlora_cli.run import build_run
@@ -254,3 +255,24 @@ def test_trains_from_a_hub_model_and_a_hub_dataset(tmp_path, monkeypatch):
         assert hub.fetched_files("org/tiny-qwen3") == set(model_files)
         assert hub.fetched_files("org/chats") == set(data)
     assert result.step == 2 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_a_resumed_run_reads_the_hub_dataset_at_the_commit_it_started_with(tmp_path, monkeypatch):
+    """A push to the dataset repo after the run started does not change what the run trains on: the
+    saved config pins the commit (here the new commit's file would not even parse)."""
+    from fake_hub import FakeHub, FakeRepo, use_fake_hub
+
+    local = write_run(tmp_path / "local")
+    data = {"data/train.jsonl": (tmp_path / "local" / "train.jsonl").read_bytes()}
+    with FakeHub({"org/chats": FakeRepo({"main": data}, "dataset")}) as hub:
+        use_fake_hub(monkeypatch, hub, tmp_path / "hf_home")
+        out = tmp_path / "out"
+        config = load_config(local, ["datasets.0.path=org/chats", f"output_dir={out}", "max_steps=2"])
+        train(config)
+        started_at = hub.commit("org/chats")
+        assert read_checkpoint_config(out / "checkpoint-2").datasets[0].revision == started_at
+        hub.push("org/chats", {"data/train.jsonl": b"{not json"})
+        assert resume(out, overrides=["max_steps=4"]).step == 4
+        assert read_checkpoint_config(out / "checkpoint-4").datasets[0].revision == started_at
+        with pytest.raises(QLoraError, match="train.jsonl"):
+            train(load_config(local, ["datasets.0.path=org/chats", f"output_dir={tmp_path / 'new'}"]))
