@@ -130,21 +130,7 @@ def run_hf(args, liger: bool) -> dict:
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
     )
-    model.train()
-    _sync(args.device)
-    load_s = time.perf_counter() - start
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=args.device == "cuda")
-    ids, _ = _batch(model.config.vocab_size, args)
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return _timed(step, args) | {"load_s": load_s}
+    return _train_transformers_model(model, args, start)
 
 
 def run_unsloth(args) -> dict:
@@ -169,11 +155,16 @@ def run_unsloth(args) -> dict:
         use_gradient_checkpointing=checkpointing,
         random_state=0,
     )
+    return _train_transformers_model(model, args, start)
+
+
+def _train_transformers_model(model, args, start: float) -> dict:
+    """The timed steps of a transformers model with LoRA (PEFT's or Unsloth's), loaded since `start`."""
     model.train()
     _sync(args.device)
     load_s = time.perf_counter() - start
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=args.device == "cuda")
     ids, _ = _batch(model.config.vocab_size, args)
 
     def step():

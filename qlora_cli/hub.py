@@ -88,22 +88,16 @@ def resolve_model(
     cache_dir: str | Path | None = None,
 ) -> Path:
     """Local folder holding the model's config, safetensors weights and tokenizer files."""
-    local = _existing_local_path(base_model, revision, noun="model folder")
-    if local is not None:
-        if not local.is_dir():
-            raise QLoraError(
-                f"base_model '{base_model}' is a file; give the folder that holds config.json and the weights"
-            )
-        return local
-    repo = _HubRepo(
-        repo_id=base_model,
-        revision=revision,
-        repo_type="model",
+    return _model_folder(
+        base_model,
+        revision,
+        token,
+        cache_dir,
+        holds="config.json and the weights",
         patterns=MODEL_FILE_PATTERNS,
         required_suffixes=(".safetensors",),
         missing_files_message="has no safetensors weights; qlora reads safetensors only, never pickled .bin files",
     )
-    return _download(repo, token=token, cache_dir=cache_dir)
 
 
 def resolve_tokenizer(
@@ -114,20 +108,42 @@ def resolve_tokenizer(
     cache_dir: str | Path | None = None,
 ) -> Path:
     """Local folder holding the model's config.json and tokenizer files, without fetching the weights."""
+    return _model_folder(
+        base_model,
+        revision,
+        token,
+        cache_dir,
+        holds="tokenizer.json",
+        patterns=("config.json", *TOKENIZER_FILES),
+        required_suffixes=("tokenizer.json",),
+        missing_files_message="has no tokenizer.json; qlora reads fast tokenizers only",
+    )
+
+
+def _model_folder(
+    base_model: str,
+    revision: str | None,
+    token: str | None,
+    cache_dir: str | Path | None,
+    *,
+    holds: str,
+    patterns: tuple[str, ...],
+    required_suffixes: tuple[str, ...],
+    missing_files_message: str,
+) -> Path:
+    """A local model folder as it is, or a hub model repo's snapshot of `patterns`."""
     local = _existing_local_path(base_model, revision, noun="model folder")
     if local is not None:
         if not local.is_dir():
-            raise QLoraError(
-                f"base_model '{base_model}' is a file; give the folder that holds tokenizer.json"
-            )
+            raise QLoraError(f"base_model '{base_model}' is a file; give the folder that holds {holds}")
         return local
     repo = _HubRepo(
         repo_id=base_model,
         revision=revision,
         repo_type="model",
-        patterns=("config.json", *TOKENIZER_FILES),
-        required_suffixes=("tokenizer.json",),
-        missing_files_message="has no tokenizer.json; qlora reads fast tokenizers only",
+        patterns=patterns,
+        required_suffixes=required_suffixes,
+        missing_files_message=missing_files_message,
     )
     return _download(repo, token=token, cache_dir=cache_dir)
 

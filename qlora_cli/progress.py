@@ -62,17 +62,19 @@ def _duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def training_fields(record: dict) -> list[str]:
+    """Loss, learning rate, speed and memory of a logged training step, as the bar and the lines show them."""
+    fields = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_s']:,.0f} tok/s"]
+    if record.get("memory_gib") is not None:
+        fields.append(f"{record['memory_gib']:.1f} GiB")
+    return fields
+
+
 def step_line(record: dict, total_steps: int, eta_seconds: float | None) -> str:
     """One plain line for a logged step: the bar's fields, for logs and files that are not terminals."""
     parts = [f"step {record['step']}/{total_steps}"]
     if "loss" in record:
-        parts += [
-            f"loss {record['loss']:.4f}",
-            f"lr {record['lr']:.2e}",
-            f"{record['tokens_per_s']:,.0f} tok/s",
-        ]
-        if record.get("memory_gib") is not None:
-            parts.append(f"{record['memory_gib']:.1f} GiB")
+        parts += training_fields(record)
     if "eval_loss" in record:
         parts += [f"eval_loss {record['eval_loss']:.4f}", f"eval_ppl {record['eval_ppl']:.2f}"]
     if eta_seconds is not None:
@@ -189,13 +191,7 @@ class TrainProgress:
     def update(self, step: int, record: dict) -> None:
         if "loss" not in record:
             return
-        parts = [
-            f"loss {record['loss']:.4f}",
-            f"lr {record['lr']:.2e}",
-            f"{record['tokens_per_s']:,.0f} tok/s",
-        ]
-        if record.get("memory_gib") is not None:
-            parts.append(f"{record['memory_gib']:.1f} GiB")
+        parts = training_fields(record)
         if "eval_loss" in record:
             parts.append(f"eval {record['eval_loss']:.4f}")
         self.progress.update(self.task, completed=step, info="  ".join(parts))
