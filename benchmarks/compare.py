@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -134,8 +135,6 @@ def run_hf(args, liger: bool) -> dict:
 
 
 def run_unsloth(args) -> dict:
-    import os
-
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from unsloth import FastLanguageModel

@@ -353,7 +353,7 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
 # ----- signals: the first saves, the second asks for patience, the third aborts -----
 
 SLOW_SAVE = """
-import os, sys, time
+import os, time
 from qlora_cli import checkpoint
 real = checkpoint.save_tensors
 def slow(tensors, path, *args, **kwargs):
@@ -362,21 +362,24 @@ def slow(tensors, path, *args, **kwargs):
         open(os.environ["QLORA_TEST_MARKER"], "w").close()
         time.sleep(60)
 checkpoint.save_tensors = slow
-sys.argv = ["qlora", "train", sys.argv[1]]
-from qlora_cli.cli import main
-main()
 """
 
 # Each step lasts half a second, so quick signals 30 ms apart all land inside one step however fast
 # the machine trains; without it a fast CPU finishes step and save before the second signal arrives.
 SLOW_STEP = """
-import sys, time
+import time
 from qlora_cli import train
 real = train.train_step
 def slow(*args, **kwargs):
     time.sleep(0.5)
     return real(*args, **kwargs)
 train.train_step = slow
+"""
+
+
+# After a script's patch, the child trains the config given as its argument.
+TRAIN_WITH_THE_PATCH = """
+import sys
 sys.argv = ["qlora", "train", sys.argv[1]]
 from qlora_cli.cli import main
 main()
@@ -387,7 +390,7 @@ def _start_training(tmp_path, config, script: str | None = None) -> subprocess.P
     marker = tmp_path / "saving"
     command = [sys.executable, "-m", "qlora_cli", "train", str(config)]
     if script is not None:
-        (tmp_path / "child.py").write_text(script)
+        (tmp_path / "child.py").write_text(script + TRAIN_WITH_THE_PATCH)
         command = [sys.executable, str(tmp_path / "child.py"), str(config)]
     return subprocess.Popen(
         command,
