@@ -64,6 +64,8 @@ def wandb_records(run_dir: Path):
         if room < 7 or (kind == 0 and length == 0):
             position += room
             continue
+        if position + 7 + length > len(data):
+            return  # W&B is still writing this record
         chunks.append(data[position + 7 : position + 7 + length])
         position += 7 + length
         if kind in (1, 4):
