@@ -36,6 +36,20 @@ def deterministic_algorithms():
 
 
 @pytest.fixture
+def one_thread(monkeypatch):
+    """This process and the ones it starts compute on one thread, for tests that compare runs of
+    different processes bit for bit: a CPU GEMM or reduction sums in an order that depends on the
+    threads it gets, and on a loaded machine that is what made such tests fail now and then (the 6th
+    digit of a loss), not what they test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run `qlora ARGS` in this process; returns (exit code, stdout, stderr)."""
     from qlora_cli.cli import main

@@ -108,7 +108,7 @@ def test_schedules():
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_resume_is_exact(tmp_path, packing):
+def test_resume_is_exact(tmp_path, packing, one_thread):
     """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for bit."""
     common = dict(
         sample_packing=packing,
@@ -174,7 +174,7 @@ def _wait_for_step(output_dir: Path, step: int, proc, timeout: float = 120) -> N
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, signum):
+def test_signal_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, signum, one_thread):
     settings = dict(max_steps=40, logging_steps=1, lora_dropout=0.1, sample_packing=True)
     whole = _run(tmp_path, "whole", **settings)
     path = write_run(tmp_path / "stopped", **settings)
