@@ -201,6 +201,86 @@ def export(
     console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")
 
 
+SourceArg = Annotated[
+    Path,
+    typer.Argument(
+        help="A run's output_dir (its newest complete checkpoint), a checkpoint-<step> folder, or a config "
+        "file (its output_dir's newest checkpoint).",
+        show_default=False,
+    ),
+]
+BaseOnlyOption = Annotated[
+    bool, typer.Option("--base-only", help="Run the base model alone, without the adapter.")
+]
+DeviceOption = Annotated[str, typer.Option(help="auto (CUDA when there is one), cuda or cpu.")]
+MaxNewTokensOption = Annotated[int, typer.Option(help="Most tokens to generate per answer.")]
+TemperatureOption = Annotated[
+    float, typer.Option(help="0 picks the likeliest token (greedy); higher samples.")
+]
+TopPOption = Annotated[float, typer.Option(help="Sample from the likeliest tokens holding this probability.")]
+TopKOption = Annotated[int, typer.Option(help="Sample from this many likeliest tokens (0: all).")]
+SeedOption = Annotated[
+    int, typer.Option(help="Seed of the sampling; the same seed repeats the same answers.")
+]
+SystemOption = Annotated[
+    str | None, typer.Option(help="System message put before every chat.", show_default=False)
+]
+
+
+@app.command()
+def generate(
+    source: SourceArg,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", help="A prompt (repeatable); a user turn unless --raw.", show_default=False),
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="A .jsonl file, one object per line with `prompt` (text) or `messages` (a chat).",
+            show_default=False,
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write one JSON row per prompt: the prompt, the completion, token counts.",
+            show_default=False,
+        ),
+    ] = None,
+    base_only: BaseOnlyOption = False,
+    max_new_tokens: MaxNewTokensOption = 256,
+    temperature: TemperatureOption = 0.0,
+    top_p: TopPOption = 1.0,
+    top_k: TopKOption = 0,
+    seed: SeedOption = 0,
+    system: SystemOption = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Feed the prompt text as it is, without the chat template.")
+    ] = False,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 16,
+    device: DeviceOption = "auto",
+) -> None:
+    """Complete prompts with a trained model: completions to stdout, progress and speed to stderr."""
+    from qlora_cli.generate_command import generate as run_generate
+    from qlora_cli.generation import Sampling
+
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    run_generate(
+        source,
+        prompts=prompt or [],
+        prompt_file=prompts,
+        out=out,
+        sampling=sampling,
+        base_only=base_only,
+        raw=raw,
+        system=system,
+        batch_size=batch_size,
+        device=device,
+        console=console,
+    )
+
+
 @app.command()
 def profile(
     config: ConfigArg,

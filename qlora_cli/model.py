@@ -172,6 +172,8 @@ class DecoderLayer(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.recomputing = False
+        # Set while a generation prefill runs (qlora_cli/decoding.py): called with the post-RoPE k and v.
+        self.kv_capture = None
 
     def checkpoint_contexts(self):
         """torch.utils.checkpoint's context_fn: the forward runs as usual; the rerun in backward sets
@@ -196,6 +198,8 @@ class DecoderLayer(nn.Module):
         qkv = qkv.view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
         q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
         q, k = timed(Op.ROPE, apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
+        if self.kv_capture is not None:
+            self.kv_capture(k, v)
         backend = choose_attention_backend(self.attention_backend, doc_ids)
         attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend)
         x = timed(Op.O_PROJ, self.projections["o"], attn.reshape(b, s, spec.q_size))

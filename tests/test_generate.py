@@ -1,0 +1,246 @@
+"""qlora generate: our KV-cache decoding of the NF4 base + adapter equals transformers' greedy decoding of
+the merged (NF4 round trip) export, token for token; batching changes nothing; sampling repeats with its
+seed; bad input ends in one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
+
+from qlora_cli.checkpoint import save_checkpoint
+from qlora_cli.config import config_from_dict, load_config
+from qlora_cli.decoding import DecodingEngine
+from qlora_cli.export import export
+from qlora_cli.generation import Sampling, generate_ids
+from qlora_cli.generation_source import load_source
+from qlora_cli.model import QLoRAModel
+from qlora_cli.settings import lora_config
+from qlora_cli.train import train
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "How many seconds are in 6 minutes?",
+    "Hi",
+    "Sort these words alphabetically: rose, dog, wolf, bread, moon, and then say them backwards please",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The shipped demo config, trained for two steps."""
+    folder = tmp_path_factory.mktemp("demo")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        return train_demo(folder)
+
+
+def train_demo(folder: Path) -> Path:
+    overrides = [
+        f"output_dir={folder / 'out'}",
+        f"base_model={ROOT / 'configs' / 'demo' / 'tiny-qwen3'}",
+        f"datasets.0.path={ROOT / 'configs' / 'demo' / 'data' / 'train.jsonl'}",
+        "max_steps=2",
+        "save_steps=2",
+        "val_set_size=0",
+        "warmup_steps=0",
+    ]
+    return train(load_config(ROOT / "configs" / "demo.yaml", overrides)).output_dir
+
+
+def random_run(folder: Path, kind: str = "qwen3") -> Path:
+    """A random tiny model with the demo tokenizer and a random NF4-trained adapter: every token varies,
+    so greedy decoding takes many different paths (a trained demo this short repeats itself)."""
+    writer = write_qwen3 if kind == "qwen3" else write_qwen2
+    base = add_demo_tokenizer(writer(folder / "model", vocab_size=1024, max_position_embeddings=512))
+    raw = {
+        "base_model": str(base),
+        "datasets": [{"path": "data.jsonl", "type": "chat_template"}],
+        "lora_r": 4,
+        "device": "cpu",
+        "output_dir": str(folder / "out"),
+        **({"lora_target_modules": ["q_proj", "v_proj", "down_proj"]} if kind == "qwen2" else {}),
+    }
+    config = config_from_dict(raw)
+    model = QLoRAModel.from_pretrained(base, quantize=True, lora=lora_config(config))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in model.trainable_parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    state = {"step": 1, "total_steps": 1, "metrics": [], "compute_dtype": "float32"}
+    optimizer = torch.optim.AdamW(model.trainable_parameters())
+    save_checkpoint(Path(config.output_dir), 1, model, optimizer, state, config)
+    return Path(config.output_dir)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def run(request, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        return random_run(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def transformers_greedy(merged: Path, raw: bool, stop_ids: set[int]) -> list[tuple[int, list[int]]]:
+    """(prompt length, new token ids without the stop token) per prompt, one at a time, by transformers."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = load_transformers(merged)
+    results = []
+    for prompt in PROMPTS:
+        text = (
+            prompt
+            if raw
+            else tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        )
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(ids) :].tolist()
+        results.append((len(ids), out[:-1] if out and out[-1] in stop_ids else out))
+    return results
+
+
+def ours(run_cli, source: Path, out: Path, *args) -> list[dict]:
+    prompts = [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
+    code, stdout, err = run_cli(
+        "generate", source, *prompts, "--out", out, "--max-new-tokens", NEW_TOKENS, "--device", "cpu", *args
+    )
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stdout == "".join(row["completion"] + "\n" for row in rows)
+    assert "tokens: prefill" in err
+    return rows
+
+
+def check_equal_to_transformers(source: Path, tmp_path: Path, run_cli, raw: bool) -> None:
+    merged = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
+    loaded = load_source(source, device="cpu")
+    expected = transformers_greedy(merged, raw, loaded.stop_ids)
+    rows = ours(run_cli, source, tmp_path / "out.jsonl", *(["--raw"] if raw else []))
+    assert len({length for length, _ in expected}) == len(PROMPTS)
+    for row, (prompt_tokens, ids), prompt in zip(rows, expected, PROMPTS, strict=True):
+        assert row["prompt"] == prompt
+        assert row["prompt_tokens"] == prompt_tokens
+        assert row["completion_tokens"] == len(ids)
+        assert row["completion"] == loaded.tokenizer.decode(ids)
+        assert row["finish_reason"] == ("length" if len(ids) == NEW_TOKENS else "stop")
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_trained_demo_equals_transformers_on_the_merged_export(demo_run, tmp_path, run_cli, raw):
+    check_equal_to_transformers(demo_run, tmp_path, run_cli, raw)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_random_adapter_equals_transformers_on_the_merged_export(run, tmp_path, run_cli, raw):
+    check_equal_to_transformers(run, tmp_path, run_cli, raw)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len({row["completion"] for row in rows}) == len(PROMPTS)
+    assert all(len(set(row["completion"])) > 3 for row in rows)
+
+
+def test_batched_generation_equals_one_by_one(run):
+    loaded = load_source(run, device="cpu")
+    engine = DecodingEngine(loaded.model)
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    sampling = Sampling(max_new_tokens=NEW_TOKENS)
+    together = generate_ids(engine, prompts, sampling, loaded.stop_ids)
+    alone = [generate_ids(engine, [prompt], sampling, loaded.stop_ids)[0] for prompt in prompts]
+    assert [c.ids for c in together] == [c.ids for c in alone]
+    assert all(len(c.ids) > 0 for c in together)
+
+
+def test_sampling_repeats_with_its_seed(run, tmp_path, run_cli):
+    sample = ["--temperature", "1.0", "--top-p", "0.95", "--top-k", "50"]
+    first = ours(run_cli, run, tmp_path / "a.jsonl", *sample, "--seed", "5")
+    again = ours(run_cli, run, tmp_path / "b.jsonl", *sample, "--seed", "5")
+    other = ours(run_cli, run, tmp_path / "c.jsonl", *sample, "--seed", "6")
+    greedy = ours(run_cli, run, tmp_path / "d.jsonl")
+    one_choice = ours(run_cli, run, tmp_path / "e.jsonl", "--temperature", "2.0", "--top-k", "1")
+    assert first == again
+    assert [r["completion"] for r in first] != [r["completion"] for r in other]
+    assert [r["completion"] for r in first] != [r["completion"] for r in greedy]
+    assert one_choice == greedy
+
+
+def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text(json.dumps({"prompt": PROMPTS[1]}) + "\n\n" + json.dumps({"messages": chat}) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli("generate", run, "--prompts", file, "--out", out, "--max-new-tokens", 5)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["prompt"] == PROMPTS[1] and rows[1]["messages"] == chat
+    loaded = load_source(run, device="cpu")
+    rendered = loaded.tokenizer.render_chat(chat, add_generation_prompt=True)
+    assert rows[1]["prompt_tokens"] == len(loaded.tokenizer.encode(rendered))
+    code, _, err = run_cli(
+        "generate", run, "--prompt", PROMPTS[0], "--system", "Be brief.", "--out", out, "--max-new-tokens", 5
+    )
+    assert code == 0, err
+    assert json.loads(out.read_text())["completion"] == rows[1]["completion"]
+
+
+def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
+    adapted = ours(run_cli, run, tmp_path / "a.jsonl")
+    base = ours(run_cli, run, tmp_path / "b.jsonl", "--base-only")
+    assert [r["completion"] for r in adapted] != [r["completion"] for r in base]
+
+
+def error_line(result) -> str:
+    code, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bad_sources(tmp_path, run_cli):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"base_model: {ROOT / 'configs' / 'demo' / 'tiny-qwen3'}\n"
+        f"datasets: [{{path: {ROOT / 'configs' / 'demo' / 'data' / 'train.jsonl'}, type: chat_template}}]\n"
+        f"output_dir: {tmp_path / 'never'}\n"
+    )
+    for source, message in [
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "empty", "holds no complete checkpoint"),
+        (tmp_path / "notes.txt", "is not a config file"),
+        (config, "holds no checkpoint yet"),
+    ]:
+        assert message in error_line(run_cli("generate", source, "--prompt", "hi"))
+    code, stdout, err = run_cli("generate", config, "--prompt", "hi", "--base-only", "--max-new-tokens", 3)
+    assert code == 0 and "no adapter" in err, err
+
+
+def test_bad_prompts_and_options(run, tmp_path, run_cli):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    no_field = tmp_path / "no_field.jsonl"
+    no_field.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "?"}) + "\n")
+    long_prompt = " ".join(f"w{i}" for i in range(600))
+    for args, message in [
+        (["--prompts", empty], "holds no prompts"),
+        (["--prompts", no_field], "no_field.jsonl line 2: the row has neither 'prompt' nor 'messages'"),
+        (["--prompts", tmp_path / "absent.jsonl"], "does not exist"),
+        (["--prompt", long_prompt, "--raw"], "more than the model's context"),
+        (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0"),
+        (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--raw", "--system", "x"], "--system needs the chat template"),
+        (["--prompt", "", "--raw"], "the prompt is empty"),
+        ([], "no prompt given"),
+    ]:
+        assert message in error_line(run_cli("generate", run, *args))
