@@ -282,6 +282,26 @@ def generate(
 
 
 @app.command()
+def chat(
+    source: SourceArg,
+    base_only: BaseOnlyOption = False,
+    max_new_tokens: MaxNewTokensOption = 256,
+    temperature: TemperatureOption = 0.0,
+    top_p: TopPOption = 1.0,
+    top_k: TopKOption = 0,
+    seed: SeedOption = 0,
+    system: SystemOption = None,
+    device: DeviceOption = "auto",
+) -> None:
+    """Talk with a trained model, one message a line; answers stream to stdout. /reset, /system TEXT, /exit."""
+    from qlora_cli.chat import chat as run_chat
+    from qlora_cli.generation import Sampling
+
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    run_chat(source, sampling=sampling, base_only=base_only, system=system, device=device, console=console)
+
+
+@app.command()
 def profile(
     config: ConfigArg,
     steps: Annotated[int, typer.Option(help="Timed optimizer steps; the table averages them.")] = 3,

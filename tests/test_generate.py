@@ -2,6 +2,7 @@
 the merged (NF4 round trip) export, token for token; batching changes nothing; sampling repeats with its
 seed; bad input ends in one line."""
 
+import io
 import json
 from pathlib import Path
 
@@ -244,3 +245,55 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
         ([], "no prompt given"),
     ]:
         assert message in error_line(run_cli("generate", run, *args))
+
+
+def chat_session(run_cli, monkeypatch, source, lines: list[str], *args):
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    code, stdout, err = run_cli("chat", source, "--device", "cpu", *args)
+    assert code == 0, err
+    return stdout, err
+
+
+def test_chat_streams_the_answers_generate_gives(run, tmp_path, run_cli, monkeypatch):
+    first = PROMPTS[1]
+    stdout, err = chat_session(
+        run_cli,
+        monkeypatch,
+        run,
+        [first, "/system Be brief.", PROMPTS[0], "/reset", first],
+        "--max-new-tokens",
+        "12",
+    )
+    assert "(conversation cleared)" in err and "(system message set)" in err
+    alone = ours_file(run_cli, run, tmp_path, [{"role": "user", "content": first}])
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": alone},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    second = ours_file(run_cli, run, tmp_path, history)
+    after_reset = ours_file(run_cli, run, tmp_path, [history[0], history[1]])
+    assert stdout == f"{alone}\n{second}\n{after_reset}\n"
+    assert len({alone, second, after_reset}) == 3
+
+
+def ours_file(run_cli, source, tmp_path, messages) -> str:
+    file = tmp_path / "chat.jsonl"
+    file.write_text(json.dumps({"messages": messages}) + "\n")
+    code, stdout, err = run_cli(
+        "generate", source, "--prompts", file, "--max-new-tokens", "12", "--device", "cpu"
+    )
+    assert code == 0, err
+    return stdout.removesuffix("\n")
+
+
+def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch):
+    long_message = " ".join(f"w{i}" for i in range(60))
+    _, err = chat_session(
+        run_cli, monkeypatch, run, [long_message] * 5 + ["/exit", "never read"], "--max-new-tokens", "8"
+    )
+    assert err.count("> ") == 6
+    assert "dropped the 1 oldest turn(s) to stay within sequence_len 512" in err
+    too_long, err = chat_session(run_cli, monkeypatch, run, [" ".join(["w1"] * 600)], "--max-new-tokens", "8")
+    assert too_long == "" and "does not fit in sequence_len 512" in err
