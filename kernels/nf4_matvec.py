@@ -11,15 +11,28 @@ them straight into fp32 accumulators, reading each weight byte once for all M ro
 Numerics match `x @ dequantize_nf4(W).T`: each weight value is code * absmax in fp32, rounded to
 x.dtype, and products are summed in fp32; the result is cast to x.dtype once, after the bias.
 
+Each program owns a tile of output features (N) for all M rows and walks its share of K; when
+the N tiles alone would leave the GPU idle (k/v at batch 1, or o/down whose N is small), K is
+split across programs that write fp32 partial sums, and a second small kernel adds them in a
+fixed order (no atomics, so a decode is repeatable). Batch 1 multiplies and sums in fp32 lanes;
+larger batches use tl.dot on a tile of M padded to 16 rows. Weights of a group (q/k/v,
+gate/up) run one launch each, writing their column slice of one output.
+
 There is no autograd Function: decoding is inference only, nothing flows back through here.
 """
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
-from qlora_kernels.nf4 import NF4Weight, dequantize_nf4_reference
+from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
+from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_nf4_reference
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
 
 FrozenWeight = NF4Weight | torch.Tensor
 
@@ -50,6 +63,306 @@ def nf4_matvec_reference(
     return torch.cat(outputs, dim=-1)
 
 
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+# Defined only where triton is installed; without it use_triton() is False and the reference runs.
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _nf4_tile(
+        packed_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        rows,
+        k_start,
+        row_mask,
+        K,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """fp32 weights [BLOCK_N, BLOCK_K] at (rows, k_start..); zeros outside the matrix.
+
+        ALIGNED (rows are whole quantization blocks, tiles too): bytes come in as [rows, blocks,
+        bytes of a block] and each block's absmax is rebuilt once. Otherwise every value finds
+        its own byte, nibble and block from its flat index (any K, odd ones included).
+        """
+        if ALIGNED:
+            BLOCKS: tl.constexpr = BLOCK_K // BLOCKSIZE
+            HALF: tl.constexpr = BLOCKSIZE // 2
+            block_in_tile = tl.arange(0, BLOCKS)
+            blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
+            block_mask = row_mask[:, None] & (k_start + block_in_tile[None, :] * BLOCKSIZE < K)
+            if DOUBLE_QUANT:
+                absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
+                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
+                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
+            else:
+                absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
+            byte_offsets = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
+            packed = tl.load(packed_ptr + byte_offsets, mask=block_mask[:, :, None], other=0).to(tl.int32)
+            high = tl.load(code_ptr + (packed >> 4))
+            low = tl.load(code_ptr + (packed & 0xF))
+            values = tl.interleave(high, low) * absmax[:, :, None]
+            return tl.where(block_mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
+        else:
+            ks = k_start + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (ks < K)[None, :]
+            flat = rows[:, None] * K + ks[None, :]
+            packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
+            codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
+            blocks = flat // BLOCKSIZE
+            if DOUBLE_QUANT:
+                absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
+                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
+            else:
+                absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+            return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
+
+    @triton.jit
+    def _nf4_matvec_kernel(
+        x_ptr,
+        weight_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        bias_ptr,
+        out_ptr,
+        offset,
+        M,
+        N,
+        K,
+        x_row_stride,
+        weight_row_stride,
+        out_split_stride,
+        out_row_stride,
+        k_per_split,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        PLAIN: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr,
+    ):
+        """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
+
+        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 keeps a [BLOCK_N, BLOCK_K] fp32
+        accumulator of products and sums it once at the end; larger BLOCK_M uses tl.dot, on fp32
+        operands (exact IEEE products) for fp32 x and in the interpreter, whose bf16 dot is wrong.
+        """
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = ms < M
+        k_begin = pid_k * k_per_split
+        if BLOCK_M == 1:
+            products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k_start in range(k_begin, k_begin + k_per_split, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            if PLAIN:
+                w_offsets = rows[:, None] * weight_row_stride + ks[None, :]
+                w_mask = row_mask[:, None] & k_mask[None, :]
+                weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+            else:
+                weights = _nf4_tile(
+                    weight_ptr,
+                    absmax_ptr,
+                    nested_ptr,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    rows,
+                    k_start,
+                    row_mask,
+                    K,
+                    BLOCKSIZE,
+                    NESTED_BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    ALIGNED,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            # Rounded to x's dtype first, as a dequantized weight would be.
+            weights = weights.to(x_ptr.dtype.element_ty)
+            x_offsets = ms[:, None] * x_row_stride + ks[None, :]
+            x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if BLOCK_M == 1:
+                products += weights.to(tl.float32) * x.to(tl.float32)
+            elif DOT_IN_FP32:
+                acc = tl.dot(weights.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(weights, tl.trans(x), acc)
+        if BLOCK_M == 1:
+            acc = tl.sum(products, axis=1)[:, None]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            acc += (bias * (pid_k == 0).to(tl.float32))[:, None]
+        out_offsets = pid_k * out_split_stride + ms[None, :] * out_row_stride + rows[:, None]
+        tl.store(
+            out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & m_mask[None, :]
+        )
+
+    @triton.jit
+    def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """out = sum over splits of partial[split], in split order, cast to out's dtype."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            total += tl.load(partial_ptr + split * numel + offsets, mask=mask, other=0.0)
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class MatvecConfig:
+    """Tile sizes of one call; `split_k` None picks the split that fills the GPU."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int | None = None
+
+
+def default_config(rows: int) -> MatvecConfig:
+    """Batch 1: thin N tiles of wide K (fp32 lanes, no tensor cores). More rows: tl.dot on M
+    padded to 16, with N tiles wide enough that re-reading x per tile stays small next to W."""
+    if rows == 1:
+        return MatvecConfig(block_m=1, block_n=16, block_k=256)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    return MatvecConfig(block_m=block_m, block_n=64, block_k=128)
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    """Programs to aim for scale with the SM count; the interpreter gets a small GPU's worth."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_PROGRAMS_PER_SM = 2
+_SUM_BLOCK = 1024
+
+
+def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int, device) -> tuple[int, int]:
+    """(splits, K per split): enough programs for the group's widest weight to fill the GPU."""
+    k = weights[0].shape[1]
+    k_tiles = triton.cdiv(k, config.block_k)
+    if config.split_k is not None:
+        wanted = config.split_k
+    else:
+        n_tiles = triton.cdiv(max(w.shape[0] for w in weights), config.block_n) * m_tiles
+        wanted = triton.cdiv(_PROGRAMS_PER_SM * _multiprocessors(device), n_tiles)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
+    return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
+
+
+def _check_nf4(weight: NF4Weight, index: int) -> None:
+    if weight.packed.dtype != torch.uint8 or not weight.packed.is_contiguous():
+        raise ValueError(f"weight {index}: NF4Weight.packed must be a contiguous uint8 tensor")
+    expected = torch.uint8 if weight.double_quant else torch.float32
+    if weight.absmax.dtype != expected:
+        raise ValueError(f"weight {index}: NF4Weight.absmax must be {expected}, got {weight.absmax.dtype}")
+    if weight.blocksize < 2 or weight.blocksize & (weight.blocksize - 1):
+        raise ValueError(f"weight {index}: blocksize must be a power of two >= 2, got {weight.blocksize}")
+
+
+def _nf4_matvec_triton(
+    x: torch.Tensor,
+    weights: Sequence[FrozenWeight],
+    biases: Sequence[torch.Tensor | None],
+    config: MatvecConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit column stride) -> [M, sum N] in x.dtype."""
+    rows, k = x.shape
+    config = config or default_config(rows)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m_tiles = triton.cdiv(rows, config.block_m)
+    splits, k_per_split = _split_k(config, weights, m_tiles, x.device)
+    total = sum(w.shape[0] for w in weights)
+    out = torch.empty(rows, total, dtype=x.dtype, device=x.device)
+    partial = out if splits == 1 else torch.empty(splits, rows, total, dtype=torch.float32, device=x.device)
+    code, _, dynamic_map = _tables(x.device)
+    column = 0
+    for index, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+        n = weight.shape[0]
+        plain = not isinstance(weight, NF4Weight)
+        if plain:
+            if weight.stride(1) != 1:
+                weight = weight.contiguous()
+            tensors = (weight, weight, weight)
+            offset, blocksize, nested_blocksize, double_quant = 0.0, 2, 2, False
+        else:
+            _check_nf4(weight, index)
+            nested = weight.nested_absmax if weight.double_quant else weight.absmax
+            tensors = (weight.packed, weight.absmax, nested)
+            offset, blocksize, double_quant = weight.nested_offset, weight.blocksize, weight.double_quant
+            nested_blocksize = weight.nested_blocksize
+        aligned = not plain and k % blocksize == 0 and config.block_k % blocksize == 0
+        grid = (triton.cdiv(n, config.block_n), splits, m_tiles)
+        _nf4_matvec_kernel[grid](
+            x,
+            *tensors,
+            code,
+            dynamic_map,
+            x if bias is None else bias,
+            partial[..., column:],
+            offset,
+            rows,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0) if plain else 0,
+            rows * total if splits > 1 else 0,
+            total,
+            k_per_split,
+            BLOCKSIZE=blocksize,
+            NESTED_BLOCKSIZE=nested_blocksize,
+            PLAIN=plain,
+            DOUBLE_QUANT=double_quant,
+            ALIGNED=aligned,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            DOT_IN_FP32=x.dtype == torch.float32 or interpreting(),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        column += n
+    if splits > 1:
+        numel = out.numel()
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+            partial, out, numel, SPLITS=splits, BLOCK=_SUM_BLOCK
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- public
 
 
@@ -74,5 +387,9 @@ def nf4_matvec(
     """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype."""
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
-    out = nf4_matvec_reference(rows, weights, biases)
+    biases = _biases_or_none(biases, len(weights))
+    if use_triton(x):
+        out = _nf4_matvec_triton(rows, weights, biases)
+    else:
+        out = nf4_matvec_reference(rows, weights, biases)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,54 @@
+"""The decoding baselines' shared parts on the CPU, on a tiny plain (unquantized) Qwen2: the LoRA
+they attach and the timed greedy generate. The NF4 loads need bitsandbytes / Unsloth on a GPU."""
+
+import pytest
+import torch
+from checkpoints import load_transformers, write_qwen2
+
+from benchmarks.generate_baselines import LORA_TARGETS, attach_lora, time_generation
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    return load_transformers(write_qwen2(tmp_path / "model"))
+
+
+def _lora_b(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_B" in name}
+
+
+def test_random_lora_covers_every_projection_with_nonzero_b(tiny_model):
+    layers = tiny_model.config.num_hidden_layers
+    model, note = attach_lora(tiny_model, None)
+    b = _lora_b(model)
+    assert len(b) == layers * len(LORA_TARGETS)
+    assert all(any(f".{target}." in name for name in b) for target in LORA_TARGETS)
+    assert all(tensor.abs().sum() > 0 for tensor in b.values())
+    assert f"({len(b)} B matrices)" in note
+
+
+def test_saved_adapter_is_loaded_as_saved(tiny_model, tmp_path):
+    model, _ = attach_lora(tiny_model, None)
+    saved = _lora_b(model)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded, note = attach_lora(load_transformers(tmp_path / "model"), tmp_path / "adapter")
+    loaded = _lora_b(reloaded)
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+    assert note == "adapter adapter"
+
+
+def test_timed_generate_counts_exactly_new_tokens(tiny_model):
+    model, _ = attach_lora(tiny_model, None)
+    result = time_generation(model, batch=2, prompt_len=5, new_tokens=6, device="cpu")
+    assert result["decode_tokens_per_s"] == pytest.approx(2 * 6 / result["generate_s"])
+    assert 0 < result["ttft_s"] < result["generate_s"]
+    assert result["decode_only_tokens_per_s"] == pytest.approx(
+        2 * 5 / (result["generate_s"] - result["ttft_s"])
+    )
+    assert result["peak_gib"] == 0.0
+
+
+def test_timing_needs_two_tokens(tiny_model):
+    with pytest.raises(ValueError, match="at least 2"):
+        time_generation(tiny_model, batch=1, prompt_len=4, new_tokens=1, device="cpu")
