@@ -297,3 +297,67 @@ def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch
     assert "dropped the 1 oldest turn(s) to stay within sequence_len 512" in err
     too_long, err = chat_session(run_cli, monkeypatch, run, [" ".join(["w1"] * 600)], "--max-new-tokens", "8")
     assert too_long == "" and "does not fit in sequence_len 512" in err
+
+
+def cuda_model(run: Path, dtype: torch.dtype) -> tuple[QLoRAModel, set[int], list[list[int]]]:
+    """The run's model on CUDA (Triton kernels), its stop ids and the test prompts as ids."""
+    loaded = load_source(run, device="cpu")
+    model = QLoRAModel.from_pretrained(
+        loaded.model.source, quantize=True, lora=loaded.model.lora, device="cuda", dtype=dtype
+    )
+    model.load_state_dict(loaded.model.state_dict())
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    return model.eval().requires_grad_(False), loaded.stop_ids, prompts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_step_equals_the_eager_one(run, dtype):
+    model, _, prompts = cuda_model(run, dtype)
+    logits = {}
+    for graphs in (False, True):
+        engine = DecodingEngine(model, cuda_graphs=graphs)
+        cache, step = engine.prepare(len(prompts), 64)
+        out = [engine.prefill(cache, prompts)]
+        lengths = torch.tensor([len(p) for p in prompts], device="cuda")
+        for _ in range(6):
+            out.append(step(out[-1].argmax(-1), lengths).clone())
+            lengths += 1
+        logits[graphs] = torch.stack(out)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (logits[True] - logits[False]).abs().max().item() < tolerance * logits[False].abs().max().item()
+
+
+@pytest.mark.gpu
+def test_cuda_generation_agrees_with_the_cpu_reference(run):
+    model, stop_ids, prompts = cuda_model(run, torch.float32)
+    sampling = Sampling(max_new_tokens=NEW_TOKENS)
+    on_cuda = generate_ids(DecodingEngine(model), prompts, sampling, stop_ids)
+    reference = load_source(run, device="cpu")
+    on_cpu = generate_ids(DecodingEngine(reference.model), prompts, sampling, stop_ids)
+    assert [c.ids for c in on_cuda] == [c.ids for c in on_cpu]
+    first = DecodingEngine(model)
+    cache, _ = first.prepare(len(prompts), 64)
+    cpu_engine = DecodingEngine(reference.model)
+    cpu_cache, _ = cpu_engine.prepare(len(prompts), 64)
+    got, expected = first.prefill(cache, prompts).cpu(), cpu_engine.prefill(cpu_cache, prompts)
+    assert (got - expected).abs().max().item() < 1e-3
+
+
+def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
+    """The prefill and decode steps through the Triton kernels (in the interpreter) give the logits the
+    torch references give: the shapes and strides decoding hands the kernels are ones they take."""
+    loaded = load_source(run, device="cpu")
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:2]]
+    logits = {}
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        engine = DecodingEngine(loaded.model)
+        cache, step = engine.prepare(len(prompts), 32)
+        out = [engine.prefill(cache, prompts)]
+        lengths = torch.tensor([len(p) for p in prompts])
+        for _ in range(2):
+            out.append(step(out[-1].argmax(-1), lengths))
+            lengths += 1
+        logits[interpret] = torch.stack(out)
+    assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
