@@ -1,4 +1,4 @@
-"""Without triton (macOS and Windows installs): the CLI imports, the demo trains on the references, and
+"""Without triton (macOS and Windows installs): the CLI imports, the demo trains and generates on the references, and
 asking for Triton's interpreter is one clear error."""
 
 import os
@@ -64,6 +64,8 @@ def test_demo_trains_on_the_references_without_triton(no_triton_env, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert (out / "adapter_model.safetensors").is_file()
+    proc = _qlora(no_triton_env, "generate", out, "--prompt", "Hi", "--max-new-tokens", "4")
+    assert proc.returncode == 0 and "tokens: prefill" in proc.stderr, proc.stderr
 
 
 def test_interpreter_without_triton_is_one_line(no_triton_env, tmp_path):
