@@ -51,6 +51,13 @@ def generate(
             prompt, tokenizer, raw=raw, system=system, variables=loaded.template_variables
         )
         check_fits(prompt, prompt_ids, context)
+        if len(prompt_ids) > loaded.config.sequence_len:
+            console.print(
+                f"note: {prompt.where} is {len(prompt_ids)} tokens, longer than the rows the run trained on "
+                f"(sequence_len {loaded.config.sequence_len})",
+                highlight=False,
+                soft_wrap=True,
+            )
         ids.append(prompt_ids)
     console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
     engine = DecodingEngine(loaded.model)
@@ -76,10 +83,11 @@ def generate(
                     "finish_reason": completion.finish,
                 }
             )
-    decode_rate = timing.decode_steps / timing.decode_s if timing.decode_s else 0.0
+    total = timing.prefill_s + timing.decode_s
+    steps = timing.decode_steps / timing.decode_s if timing.decode_s else 0.0
     console.print(
-        f"{len(rows)} prompts, {timing.tokens} tokens: prefill {timing.prefill_s:.2f}s, "
-        f"decode {timing.decode_s:.2f}s ({decode_rate:.1f} steps/s)",
+        f"{len(rows)} prompts, {timing.tokens} tokens in {total:.2f}s ({timing.tokens / total:.1f} tokens/s): "
+        f"first token after {timing.prefill_s:.2f}s, then {steps:.1f} decode steps/s",
         highlight=False,
         soft_wrap=True,
     )

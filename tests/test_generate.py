@@ -120,7 +120,7 @@ def ours(run_cli, source: Path, out: Path, *args) -> list[dict]:
     assert code == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert stdout == "".join(row["completion"] + "\n" for row in rows)
-    assert "tokens: prefill" in err
+    assert "first token after" in err
     return rows
 
 
