@@ -39,32 +39,35 @@ from qlora_cli.model import LoRAConfig, QLoRAModel
 LABELS = {"qlora": "qlora", "hf": "HF+PEFT+bnb", "unsloth": "Unsloth"}
 
 
-def qlora_model(model_dir: Path) -> QLoRAModel:
+def qlora_model(model_dir: Path, device: str = "cuda") -> QLoRAModel:
     """The NF4 base with r 16 LoRA on every projection, B random and nonzero as the baselines set it."""
     lora = LoRAConfig(r=LORA_RANK, alpha=LORA_ALPHA)
-    model = QLoRAModel.from_pretrained(model_dir, quantize=True, lora=lora, device="cuda")
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    model = QLoRAModel.from_pretrained(model_dir, quantize=True, lora=lora, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_B." in name:
-                param.copy_(0.01 * torch.randn(param.shape, generator=generator, device="cuda"))
+                param.copy_(0.01 * torch.randn(param.shape, generator=generator, device=device))
     return model.eval().requires_grad_(False)
 
 
 def qlora_decode(model: QLoRAModel, batch: int, prompt_len: int, new_tokens: int) -> dict:
     engine = DecodingEngine(model)
+    cuda = engine.decoder.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     prompts = random_prompts(model.spec.vocab_size, batch, prompt_len, "cpu").tolist()
 
     def generate(tokens: int) -> float:
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         completions = generate_ids(engine, prompts, Sampling(max_new_tokens=tokens), set())
-        torch.cuda.synchronize()
+        sync()
         if any(len(c.ids) != tokens for c in completions):
             raise RuntimeError(f"qlora generated fewer than {tokens} tokens in a row")
         return time.perf_counter() - start
 
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine.prepare(
         batch, prompt_len + new_tokens
     )  # the cache and its graph, as the warm-up's call reuses them
@@ -76,7 +79,7 @@ def qlora_decode(model: QLoRAModel, batch: int, prompt_len: int, new_tokens: int
         "decode_only_tokens_per_s": batch * (new_tokens - 1) / max(seconds - ttft, 1e-9),
         "generate_s": seconds,
         "ttft_s": ttft,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,

@@ -26,3 +26,18 @@ def test_compare_writes_its_numbers_as_json(tmp_path):
     result = data["results"]["qlora-eager"]
     assert 0 < result["step_ms_min"] <= result["step_s"] * 1e3
     assert result["tokens_per_s"] == pytest.approx(32 / result["step_s"])
+
+
+def test_generate_benchmark_times_qlora_decoding(tmp_path, monkeypatch):
+    """benchmarks.generate's qlora side on the CPU (the GPU runs it against the baselines): exactly
+    new_tokens per row, the rates computed from the timed generate, and ratios against a baseline."""
+    from benchmarks.generate import qlora_decode, qlora_model, ratios
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = qlora_model(write_qwen2(tmp_path / "model"), device="cpu")
+    result = qlora_decode(model, batch=2, prompt_len=8, new_tokens=5)
+    assert result["decode_tokens_per_s"] == pytest.approx(2 * 5 / result["generate_s"])
+    assert 0 < result["ttft_s"] < result["generate_s"]
+    baseline = {"decode_tokens_per_s": result["decode_tokens_per_s"] / 4, "ttft_s": result["ttft_s"] * 2}
+    assert ratios({"qlora": result, "hf": baseline}) == pytest.approx({"speed_vs_hf": 4.0, "ttft_vs_hf": 0.5})
+    assert any(".lora_B." in name and param.abs().sum() > 0 for name, param in model.named_parameters())
