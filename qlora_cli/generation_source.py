@@ -19,12 +19,12 @@ from qlora_cli.config import TrainConfig, load_config
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import resolve_model
 from qlora_cli.model import QLoRAModel
-from qlora_cli.rundir import usable_checkpoint
+from qlora_cli.rundir import ADAPTER_FILES, usable_checkpoint
 from qlora_cli.settings import compute_dtype, lora_config, select_device
 from qlora_cli.tokenizer import ChatTokenizer
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
-ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_FILE = ADAPTER_FILES[0]
 _PROBE = "\ue000qlora-answer\ue001"
 
 
@@ -66,6 +66,8 @@ def find_source(source: Path, *, base_only: bool) -> tuple[TrainConfig, Path | N
                 f"{source}: its output_dir {output_dir} holds no checkpoint yet; train first "
                 f"(qlora train {source}) or add --base-only to run the base model alone"
             )
+        if checkpoint is not None:
+            config = read_checkpoint_config(checkpoint)
     else:
         checkpoint = source if (source / STATE_FILE).is_file() else _checkpoint_of(source)
         if checkpoint is None:

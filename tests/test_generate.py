@@ -361,3 +361,12 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
             lengths += 1
         logits[interpret] = torch.stack(out)
     assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
+
+
+def test_a_config_source_generates_with_its_runs_newest_checkpoint(demo_run, tmp_path, run_cli, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    config = tmp_path / "demo.yaml"
+    config.write_text((ROOT / "configs" / "demo.yaml").read_text().replace("./outputs/demo", str(demo_run)))
+    assert ours(run_cli, config, tmp_path / "a.jsonl") == ours(run_cli, demo_run, tmp_path / "b.jsonl")
+    code, _, err = run_cli("generate", config, "--prompt", "Hi", "--max-new-tokens", "2")
+    assert code == 0 and "checkpoint-2" in err, err

@@ -309,7 +309,7 @@ def test_installed_qlora_help_and_version(wheel_venv, dist):
     (wheel,) = dist.glob("*.whl")
     version = wheel.name.split("-")[1]
     assert wheel_venv.run(wheel_venv.bin("qlora"), "--version").stdout.strip() == f"qlora {version}"
-    for command in ([], ["train"], ["resume"]):
+    for command in ([], ["train"], ["resume"], ["generate"], ["chat"]):
         proc = wheel_venv.run(wheel_venv.bin("qlora"), *command, "--help")
         assert proc.returncode == 0 and "Usage" in proc.stdout, proc.stderr
 
@@ -332,6 +332,10 @@ def test_installed_qlora_trains_the_demo(wheel_venv, tmp_path):
     assert "3 steps" in proc.stderr
     assert (out / "adapter_model.safetensors").stat().st_size > 0
     assert (out / "adapter_config.json").is_file()
+    proc = wheel_venv.run(
+        wheel_venv.bin("qlora"), "generate", out, "--prompt", "Hi", "--max-new-tokens", "4", cwd=tmp_path
+    )
+    assert proc.returncode == 0 and "first token after" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_shell_completion_without_a_terminal(wheel_venv):
