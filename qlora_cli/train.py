@@ -273,6 +273,7 @@ def _train(
         out.print(_startup_line(run, startup))
         window = MetricWindow(run)
         window.extra["startup_s"] = startup
+        window.extra.update({f"startup_{part}_s": seconds for part, seconds in run.startup_s.items()})
         with out.progress(run.total_steps, start) as progress:
             for step in range(start, run.total_steps):
                 signals.training(step + 1)
