@@ -75,3 +75,17 @@ def test_e2e_runs_qlora_train_on_alpaca_shaped_rows(tmp_path):
     assert set(result["startup_parts_s"]) == {"startup_data_s", "startup_model_s"}
     assert (tmp_path / "work" / "alpaca-120-0.jsonl").is_file()
     assert "qlora train" in proc.stdout
+
+
+def test_packed_attention_rows_and_the_ideal_speedup():
+    import torch
+
+    from benchmarks.packed_attention import ideal_speedup, packed_doc_ids
+
+    doc_ids = packed_doc_ids(2, 4096, seed=0)
+    assert doc_ids.shape == (2, 4096) and torch.equal(doc_ids, packed_doc_ids(2, 4096, seed=0))
+    assert (doc_ids.diff(dim=1) >= 0).all() and 5 < doc_ids[0].max() < 40
+    assert ideal_speedup(torch.zeros(1, 100, dtype=torch.int32)) == 1.0
+    halves = torch.tensor([[0] * 50 + [1] * 50])
+    assert ideal_speedup(halves) == (100 * 101 / 2) / (2 * 50 * 51 / 2)
+    assert ideal_speedup(doc_ids) > 5
