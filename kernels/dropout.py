@@ -74,31 +74,26 @@ def dropout_reference(x: torch.Tensor, p: float, seed: torch.Tensor, salt: int, 
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _mul32_tl(x, constant: tl.constexpr):
-        low = x * (constant & 0xFFFF)
-        high = ((x * (constant >> 16)) & 0xFFFF) << 16
-        return (low + high) & 0xFFFFFFFF
-
-    @triton.jit
     def _mix32_tl(x):
+        """lowbias32 on uint32 words: the GPU's 32-bit multiply wraps as the reference's halves do."""
         x = x ^ (x >> 16)
-        x = _mul32_tl(x, 0x7FEB352D)
+        x = x * 0x7FEB352D
         x = x ^ (x >> 15)
-        x = _mul32_tl(x, 0x846CA68B)
+        x = x * 0x846CA68B
         return x ^ (x >> 16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["salt", "offset", "threshold"])
     def _dropout_kernel(X, Y, SEED, salt, offset, numel, threshold, scale, BLOCK: tl.constexpr):
-        """Y = X * keep * scale over a flat block; int64 words below 2^32 mirror the reference."""
+        """Y = X * keep * scale over a flat block, the hash in 32-bit words as the reference has it."""
         seed = tl.load(SEED).to(tl.int64)
-        key = _mix32_tl(tl.full([], 0, tl.int64) + salt)
-        key = _mix32_tl(((seed >> 32) & 0xFFFFFFFF) ^ key)
-        key = _mix32_tl((seed & 0xFFFFFFFF) ^ key)
+        key = _mix32_tl(tl.full([], 0, tl.uint32) + salt.to(tl.uint32))
+        key = _mix32_tl((seed >> 32).to(tl.uint32) ^ key)
+        key = _mix32_tl(seed.to(tl.uint32) ^ key)
         local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = local < numel
         index = local + offset
-        bits = _mix32_tl(_mix32_tl(key ^ (index >> 32)) ^ (index & 0xFFFFFFFF))
-        keep = (bits >> 8) >= threshold
+        bits = _mix32_tl(_mix32_tl(key ^ (index >> 32).to(tl.uint32)) ^ index.to(tl.uint32))
+        keep = (bits >> 8).to(tl.int32) >= threshold
         x = tl.load(X + local, mask=valid, other=0.0)
         y = tl.where(keep, x.to(tl.float32) * scale, 0.0)
         tl.store(Y + local, y.to(Y.dtype.element_ty), mask=valid)
