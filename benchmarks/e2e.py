@@ -2,12 +2,12 @@
 
 Usage: python -m benchmarks.e2e [--config configs/qwen2.5-7b.yaml] [--shape qwen2.5-7b] [--layers N]
        [--checkpoint DIR] [--rows 20000] [--steps 20] [--warmup-steps 3]
-       [--runners qlora,unsloth,benchmark] [--workdir DIR] [--json FILE]
+       [--runners qlora,unsloth,benchmark] [--workdir DIR] [--set KEY=VALUE ...] [--json FILE]
 
 Each runner is its own process. `qlora` is the real command line, `python -m qlora_cli train CONFIG`
 with `--set` pointing base_model at a random-weight checkpoint of the shape (benchmarks/random_checkpoint.py;
 `--layers` shortens it) and datasets at Alpaca-shaped rows this writes (benchmarks/alpaca_shaped.py);
-every other key is the config's. Its numbers come from the run's own metrics.jsonl (one record a
+every other key is the config's, unless `--set` changes it for both runners. Its numbers come from the run's own metrics.jsonl (one record a
 step). `unsloth` trains the same rows with the config's LoRA shape, batch, accumulation, schedule and
 sequence length through Unsloth's FastLanguageModel and TRL's SFTTrainer (prompt/completion rows,
 the completion trained), with packing when Unsloth accepts it there, padded rows otherwise (the
@@ -53,9 +53,19 @@ def steady(steps: list[dict], warmup: int) -> dict:
     }
 
 
+def _config(args) -> dict:
+    """The config's keys as both runners read them, `--set` applied (top-level keys)."""
+    config = yaml.safe_load(args.config.read_text())
+    for text in args.set:
+        key, _, value = text.partition("=")
+        config[key] = yaml.safe_load(value)
+    return config
+
+
 def run_qlora(args, checkpoint: Path, data: Path) -> dict:
     output_dir = args.workdir / "qlora-out"
     overrides = {
+        **dict(text.partition("=")[::2] for text in args.set),
         "base_model": str(checkpoint),
         "datasets": f"[{{path: {data}, type: alpaca}}]",
         "max_steps": args.steps,
@@ -88,7 +98,7 @@ def run_qlora(args, checkpoint: Path, data: Path) -> dict:
 
 
 def run_benchmark(args, checkpoint: Path) -> dict:
-    config = yaml.safe_load(args.config.read_text())
+    config = _config(args)
     command = [
         *(sys.executable, "-m", "benchmarks.compare", str(checkpoint)),
         *("--batch", "4", "--seq", str(config.get("sequence_len", 2048)), "--worker", "qlora"),
@@ -124,7 +134,7 @@ def run_unsloth(args, checkpoint: Path) -> dict:
 
     from qlora_cli.prompts import ALPACA_STYLES, ALPACA_SYSTEM, ALPACA_SYSTEM_NO_INPUT
 
-    config = yaml.safe_load(args.config.read_text())
+    config = _config(args)
     seq = config.get("sequence_len", 2048)
     with_input, without_input = ALPACA_STYLES["instruct"]
 
@@ -297,6 +307,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of tokens/s")
     parser.add_argument("--runners", default="qlora,unsloth,benchmark")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qlora-e2e"))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="change a config key for both runners"
+    )
     parser.add_argument("--worker", choices=["unsloth"], help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args()
