@@ -80,7 +80,7 @@ def test_full_step_matches_reference_ops(monkeypatch):
         assert error < 5e-2, f"{name}: relative gradient error {error:.3g}"
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton", "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "sdpa", "flex"])
 def test_packed_row_loss_is_the_sum_of_its_documents_losses(backend):
     """One 2048-token row of three documents (positions restarting, doc_ids apart) gives the loss and
     LoRA gradients of the three documents trained as rows of their own, at 7B layer shapes."""
