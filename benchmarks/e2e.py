@@ -121,6 +121,12 @@ def _supported(cls, **kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
+def _tokenizer_argument(trainer_class, tokenizer) -> dict:
+    """`processing_class` in TRL since 0.12, `tokenizer` before."""
+    names = inspect.signature(trainer_class).parameters
+    return {"processing_class" if "processing_class" in names else "tokenizer": tokenizer}
+
+
 def run_unsloth(args, checkpoint: Path) -> dict:
     """Runs in its own process (--worker unsloth); imports Unsloth first, as it asks."""
     started = time.perf_counter()
@@ -185,7 +191,7 @@ def run_unsloth(args, checkpoint: Path) -> dict:
             model=model,
             train_dataset=dataset,
             args=SFTConfig(**settings),
-            **_supported(SFTTrainer, processing_class=tokenizer, tokenizer=tokenizer),
+            **_tokenizer_argument(SFTTrainer, tokenizer),
         )
 
     try:
