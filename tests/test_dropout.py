@@ -82,3 +82,32 @@ def test_bad_arguments():
         seeded_dropout(torch.ones(3), 0.5, _seed(0), salt=-1)
     with pytest.raises(ValueError, match="seed must be one int64"):
         seeded_dropout(torch.ones(3), 0.5, torch.tensor([1, 2]), salt=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_kernel_draws_the_reference_mask(dtype):
+    """The compiled kernel's 32-bit hash gives the mask the reference computes, bit for bit, on
+    8192 x 3584 elements (past 2^24, with an offset past 2^32), and a CUDA graph replays it with the
+    seed the tensor holds at replay."""
+    x = torch.randn(8192, 3584, device="cuda", dtype=dtype).requires_grad_(True)
+    seed = torch.tensor([2**40 + 3], dtype=torch.int64, device="cuda")
+    offset = 2**32 + 5
+    y = seeded_dropout(x, 0.05, seed, salt=77, offset=offset)
+    keep = dropout_mask_reference(x.numel(), 0.05, seed.cpu(), salt=77, offset=offset).view(x.shape)
+    assert torch.equal(y.cpu() != 0, keep & (x.cpu() != 0))
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.equal(dx.cpu() != 0, keep)
+
+    static = torch.empty_like(y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        seeded_dropout(x, 0.05, seed, salt=77)  # compiled outside the capture
+        with torch.cuda.graph(graph):
+            static.copy_(seeded_dropout(x, 0.05, seed, salt=77))
+    for value in (5, 6):
+        seed.fill_(value)
+        graph.replay()
+        expected = dropout_mask_reference(x.numel(), 0.05, _seed(value), salt=77).view(x.shape)
+        assert torch.equal(static.cpu() != 0, expected & (x.detach().cpu() != 0))
