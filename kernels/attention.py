@@ -5,6 +5,7 @@ Triton path is flash-attention style: scores never exist as an S x S tensor; the
 only the output and the per-row logsumexp, and the backward recomputes scores block by block.
 """
 
+import functools
 import math
 
 import torch
@@ -66,6 +67,57 @@ def attention_sdpa(q, k, v, doc_ids=None, scale=None):
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
         mask = _allowed_mask(q.shape[1], doc_ids, q.device)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _flex_functions(compiled: bool):
+    """flex_attention (compiled once per process for CUDA: uncompiled it materializes the scores) and
+    the block-mask builder; imported on first use, so this module loads where flex is missing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return (torch.compile(flex_attention, dynamic=False) if compiled else flex_attention), create_block_mask
+
+
+class _BlockMaskCache:
+    """The block mask of the last doc_ids tensor seen: every layer of a forward, and its recompute in
+    backward, read the same tensor, so the mask is built once per micro-batch. The tensor is held, so
+    no other tensor can take its identity while it is cached; a write to it changes its version."""
+
+    key: tuple | None = None
+    doc_ids: torch.Tensor | None = None
+    mask = None
+
+    @classmethod
+    def get(cls, doc_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device):
+        key = (batch, seq_len, device, None if doc_ids is None else doc_ids._version)
+        if key == cls.key and doc_ids is cls.doc_ids:
+            return cls.mask
+        _, create_block_mask = _flex_functions(False)
+        if doc_ids is None:
+
+            def allowed(b, h, q, kv):
+                return q >= kv
+        else:
+
+            def allowed(b, h, q, kv):
+                return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+        cls.mask = create_block_mask(
+            allowed, batch, None, seq_len, seq_len, device=device, _compile=device.type == "cuda"
+        )
+        cls.key, cls.doc_ids = key, doc_ids
+        return cls.mask
+
+
+def attention_flex(q, k, v, doc_ids=None, scale=None):
+    """torch's FlexAttention with a causal document mask; its kernel skips the key blocks the mask
+    empties, as ours does. Training needs CUDA: its CPU kernel has no backward (torch 2.13)."""
+    flex_attention, _ = _flex_functions(q.is_cuda)
+    mask = _BlockMaskCache.get(doc_ids, q.shape[0], q.shape[1], q.device)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    group = q.shape[2] // k.shape[2]
+    out = flex_attention(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=group > 1)
     return out.transpose(1, 2).contiguous()
 
 
@@ -978,15 +1030,22 @@ def attention(q, k, v, doc_ids=None, *, scale=None, backend="triton"):
     Query head h reads kv head h // (Hq // Hk). With doc_ids, a token sees only earlier tokens of
     its own document; the Triton path expects each document's tokens to be contiguous in the row,
     as packing lays them out. Returns [B, S, Hq, D] contiguous in q's dtype. backend "triton" is our
-    kernel (the torch reference on CPU outside the interpreter); "sdpa" is torch's fused attention.
+    kernel (the torch reference on CPU outside the interpreter); "sdpa" is torch's fused attention;
+    "flex" is torch's FlexAttention on CUDA (the reference on the CPU, where flex has no backward).
     """
     _check_inputs(q, k, v, doc_ids)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     if backend == "sdpa":
         return attention_sdpa(q, k, v, doc_ids, scale)
+    if backend == "flex":
+        return (
+            attention_flex(q, k, v, doc_ids, scale)
+            if q.is_cuda
+            else attention_reference(q, k, v, doc_ids, scale)
+        )
     if backend != "triton":
-        raise ValueError(f"unknown attention backend {backend!r}; expected 'triton' or 'sdpa'")
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'triton', 'sdpa' or 'flex'")
     if not use_triton(q):
         return attention_reference(q, k, v, doc_ids, scale)
     return TritonAttention.apply(q, k, v, doc_ids, scale)

@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from qlora_cli.rng_replay import RngReplay
-
 SLICE_BYTES = 1 << 30  # gate/up's bf16 output for one slice; large enough to keep the GEMMs efficient
 SLICE_MULTIPLE = 256
 
@@ -39,23 +37,21 @@ class SlicedMLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        mlp: Callable[[torch.Tensor], torch.Tensor],
+        mlp: Callable[[torch.Tensor, int], torch.Tensor],
         recompute: Callable[[], contextlib.AbstractContextManager],
         recomputing: bool,
         slice_tokens: int,
-        replay_rng: bool,
         h: torch.Tensor,
         *trainables: torch.Tensor,
     ):
         ctx.mlp, ctx.recompute, ctx.slice, ctx.trainables = mlp, recompute, slice_tokens, len(trainables)
-        ctx.rng = RngReplay(h.device, replay_rng)
         ctx.save_for_backward(h)
         if recomputing:
             return h.new_zeros(1).expand(h.shape)
         rows = h.reshape(-1, h.shape[-1])
         out = torch.empty_like(rows)
         for start in range(0, rows.shape[0], slice_tokens):
-            out[start : start + slice_tokens] = mlp(rows[start : start + slice_tokens].unsqueeze(0))[0]
+            out[start : start + slice_tokens] = mlp(rows[start : start + slice_tokens].unsqueeze(0), start)[0]
         return out.view(h.shape)
 
     @staticmethod
@@ -63,11 +59,10 @@ class SlicedMLP(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         rows, grads = h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dh = torch.empty_like(rows)
-        with ctx.rng.replaying():
-            for start in range(0, rows.shape[0], ctx.slice):
-                part = rows[start : start + ctx.slice].unsqueeze(0).detach().requires_grad_(True)
-                with torch.enable_grad(), ctx.recompute():
-                    out = ctx.mlp(part)
-                torch.autograd.backward(out, grads[start : start + ctx.slice].unsqueeze(0))
-                dh[start : start + ctx.slice] = part.grad[0]
-        return (None, None, None, None, None, dh.view(h.shape)) + (None,) * ctx.trainables
+        for start in range(0, rows.shape[0], ctx.slice):
+            part = rows[start : start + ctx.slice].unsqueeze(0).detach().requires_grad_(True)
+            with torch.enable_grad(), ctx.recompute():
+                out = ctx.mlp(part, start)
+            torch.autograd.backward(out, grads[start : start + ctx.slice].unsqueeze(0))
+            dh[start : start + ctx.slice] = part.grad[0]
+        return (None, None, None, None, dh.view(h.shape)) + (None,) * ctx.trainables

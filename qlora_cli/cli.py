@@ -101,7 +101,14 @@ def train(
         from qlora_cli.train import train as run_training
 
         result = run_training(load_config(config, set_ or ()), console=console)
-    console.print(f"[green]done[/]: {result.step} steps, adapter in {result.output_dir}")
+    console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
+
+
+def _timing(result) -> str:
+    """' in 52.1 s (start-up 14.0 s to the first step)', when the run measured both."""
+    if result.seconds is None or result.startup_s is None:
+        return ""
+    return f" in {result.seconds:.1f} s (start-up {result.startup_s:.1f} s to the first step)"
 
 
 @app.command()
@@ -140,7 +147,7 @@ def resume(
     from qlora_cli.train import resume as resume_training
 
     result = resume_training(output_dir, checkpoint=checkpoint, overrides=set_ or (), console=console)
-    console.print(f"[green]done[/]: {result.step} steps, adapter in {result.output_dir}")
+    console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
 
 
 @app.command()

@@ -164,7 +164,7 @@ class TrainConfig:
     gradient_checkpointing: bool | Literal["auto"] = True
     activation_offloading: bool | Literal["auto"] = "auto"
     memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))
-    attention: Literal["auto", "triton", "sdpa"] = "auto"
+    attention: Literal["auto", "triton", "sdpa", "flex"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_graphs: bool | Literal["auto"] = "auto"
     test_datasets: list[DatasetConfig] = field(default_factory=list)

@@ -80,7 +80,7 @@ def _to_example(ids: list[int], trained: list[bool], sequence_len: int) -> tuple
     """Shift the trained mask into labels, after cutting to sequence_len; also says whether it cut."""
     truncated = len(ids) > sequence_len
     ids, trained = ids[:sequence_len], trained[:sequence_len]
-    labels = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids[1:], trained[1:], strict=True)]
     labels += [IGNORE_INDEX] if ids else []
     return Example(input_ids=ids, labels=labels), truncated
 
@@ -138,7 +138,7 @@ def load_examples(
             result.dropped[LONGER] += 1
             continue
         example, was_cut = _to_example(ids, trained, sequence_len)
-        if any(label != IGNORE_INDEX for label in example.labels):
+        if any(trained[1 : len(example.input_ids)]):
             result.truncated += was_cut
             result.append(example)
             continue

@@ -11,7 +11,9 @@ What a graph needs, and what callers keep:
   - no host synchronisation inside the loss (kernels.cross_entropy skips its label check while a
     graph is captured, so the labels are checked here, on the host, instead);
   - gradients that stay where the graph writes them: zero them in place, never set them to None;
-  - no random numbers (LoRA dropout 0), so a replay computes exactly what an eager call would.
+  - random numbers drawn from a seed the graph reads on the device: LoRA dropout's masks come from
+    the model's dropout seed (kernels.dropout), which the step writes before each micro-batch, so a
+    replay draws that micro-batch's masks, and its recompute in backward repeats them.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: in
         return "several processes exchange gradients through DDP's hooks, which a graph does not replay"
     if not config.sample_packing:
         return "without sample_packing a micro-batch's width changes from batch to batch"
-    if config.lora_dropout:
-        return "lora_dropout draws random numbers"
     return None
 
 

@@ -28,6 +28,7 @@ from qlora_cli.profiler.ops import Op
 from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.attention import attention
 from qlora_kernels.cross_entropy import linear_cross_entropy
+from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import NF4Weight, quantize_nf4
 from qlora_kernels.rmsnorm import add_rms_norm
@@ -68,11 +69,20 @@ class ProjectionGroup(nn.Module):
 
     Frozen weights are NF4 (or plain tensors when quantization is off) and live outside the
     parameter list; LoRA A/B are the trainable fp32 master weights, named as PEFT names them.
+    LoRA dropout's mask is hash(the model's dropout seed, `salt`, token) (kernels.dropout): each
+    group of each layer has its own salt, and a recompute repeats the mask without saving anything.
     """
 
-    def __init__(self, names: tuple[str, ...], shapes: dict[str, tuple[int, int]], lora: LoRAConfig | None):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        shapes: dict[str, tuple[int, int]],
+        lora: LoRAConfig | None,
+        salt: int = 0,
+    ):
         super().__init__()
         self.names = names
+        self.salt = salt
         self.out_features = [shapes[n][0] for n in names]
         self.weights: list[NF4Weight | torch.Tensor | None] = [None] * len(names)
         self.biases: list[torch.Tensor | None] = [None] * len(names)
@@ -116,10 +126,17 @@ class ProjectionGroup(nn.Module):
         *,
         keep_lora_t: bool = False,
         lora_t: torch.Tensor | None = None,
+        dropout_seed: torch.Tensor | None = None,
+        token_offset: int = 0,
     ):
         """The projections with LoRA. keep_lora_t: return (y without LoRA's B, t = lora_x @ A^T)
-        for the next op to finish; lora_t: start from that t instead of x @ A^T."""
-        lora_x = F.dropout(x, self.dropout, self.training) if self.dropout and self.training else x
+        for the next op to finish; lora_t: start from that t instead of x @ A^T. With dropout,
+        `dropout_seed` draws the mask; x's first token is token `token_offset` of the micro-batch."""
+        lora_x = x
+        if self.dropout and self.training:
+            if dropout_seed is None:
+                raise ValueError("LoRA dropout needs the model's dropout seed")
+            lora_x = seeded_dropout(x, self.dropout, dropout_seed, self.salt, token_offset * x.shape[-1])
         lora_b = [self.lora_B.get(n) for n in self.names]
         if keep_lora_t:
             return lora_linear_a(
@@ -154,13 +171,16 @@ def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str):
+    def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str, index: int = 0):
         super().__init__()
         self.spec = spec
         self.attention_backend = attention_backend
         shapes = spec.projection_shapes()
         self.projections = nn.ModuleDict(
-            {g: ProjectionGroup(names, shapes, lora) for g, names in GROUPS.items()}
+            {
+                g: ProjectionGroup(names, shapes, lora, salt=index * len(GROUPS) + i)
+                for i, (g, names) in enumerate(GROUPS.items())
+            }
         )
         trainable = bool(lora and lora.train_norms)
         h = spec.hidden_size
@@ -189,12 +209,12 @@ class DecoderLayer(nn.Module):
         finally:
             self.recomputing = False
 
-    def forward(self, x, residual, position_ids, doc_ids, inv_freq):
+    def forward(self, x, residual, position_ids, doc_ids, inv_freq, dropout_seed=None):
         spec = self.spec
         b, s, _ = x.shape
         eps = spec.rms_norm_eps
         h, residual = timed(Op.RMSNORM_ATTN, add_rms_norm, x, residual, self.input_layernorm, eps)
-        qkv = timed(Op.QKV_GEMM, self.projections["qkv"], h)
+        qkv = timed(Op.QKV_GEMM, self.projections["qkv"], h, dropout_seed=dropout_seed)
         qkv = qkv.view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
         q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
         q, k = timed(Op.ROPE, apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
@@ -202,30 +222,33 @@ class DecoderLayer(nn.Module):
             self.kv_capture(k, v)
         backend = choose_attention_backend(self.attention_backend, doc_ids)
         attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend)
-        x = timed(Op.O_PROJ, self.projections["o"], attn.reshape(b, s, spec.q_size))
+        o = self.projections["o"]
+        x = timed(Op.O_PROJ, o, attn.reshape(b, s, spec.q_size), dropout_seed=dropout_seed)
         h, residual = timed(Op.RMSNORM_FFN, add_rms_norm, x, residual, self.post_attention_layernorm, eps)
-        x = self._mlp(h)
+        x = self._mlp(h, dropout_seed)
         return x, residual
 
-    def _mlp(self, h):
+    def _mlp(self, h, dropout_seed=None):
         """The MLP, over slices of tokens when the row is long (qlora_cli/chunked_mlp.py)."""
         tokens = h.numel() // h.shape[-1]
         per_slice = slice_tokens(tokens, self.spec.intermediate_size, h.element_size())
         if per_slice == tokens:
-            return self._mlp_whole(h)
+            return self._mlp_whole(h, dropout_seed)
         mlp = [self.projections["gate_up"], self.projections["down"]]
         trainables = [p for group in mlp for p in group.parameters() if p.requires_grad]
-        dropout = bool(self.training and any(group.dropout for group in mlp))
-        return SlicedMLP.apply(
-            self._mlp_whole, self.recomputation, self.recomputing, per_slice, dropout, h, *trainables
-        )
 
-    def _mlp_whole(self, h):
+        def mlp_slice(part, token_offset):
+            return self._mlp_whole(part, dropout_seed, token_offset)
+
+        return SlicedMLP.apply(mlp_slice, self.recomputation, self.recomputing, per_slice, h, *trainables)
+
+    def _mlp_whole(self, h, dropout_seed=None, token_offset=0):
         """gate/up → SwiGLU → down, with LoRA's B of gate/up and A of down done inside SwiGLU
         (kernels.swiglu). Down's LoRA input is h itself unless LoRA dropout is on; then down
         takes h and runs its own LoRA."""
         gate_up, down = self.projections["gate_up"], self.projections["down"]
-        gate_up_out, gate_up_t = timed(Op.GATE_UP_GEMM, gate_up, h, keep_lora_t=True)
+        dropout = dict(dropout_seed=dropout_seed, token_offset=token_offset)
+        gate_up_out, gate_up_t = timed(Op.GATE_UP_GEMM, gate_up, h, keep_lora_t=True, **dropout)
         down_a = down.lora_A.get("down_proj")
         fuse_down = down_a is not None and not (down.dropout and self.training)
         activation, down_t = timed(
@@ -241,7 +264,7 @@ class DecoderLayer(nn.Module):
         )
         if fuse_down:
             return timed(Op.DOWN_GEMM, down, activation, need_output=not self.recomputing, lora_t=down_t)
-        return timed(Op.DOWN_GEMM, down, activation, need_output=not self.recomputing)
+        return timed(Op.DOWN_GEMM, down, activation, need_output=not self.recomputing, **dropout)
 
 
 class QLoRAModel(nn.Module):
@@ -262,7 +285,7 @@ class QLoRAModel(nn.Module):
         self.offloader: HostOffloader | None = None
         self.lora = lora
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, lora, attention_backend) for _ in range(spec.num_layers)
+            DecoderLayer(spec, lora, attention_backend, index) for index in range(spec.num_layers)
         )
         trainable = bool(lora and lora.train_norms)
         self.norm = nn.Parameter(torch.ones(spec.hidden_size), requires_grad=trainable)
@@ -270,6 +293,13 @@ class QLoRAModel(nn.Module):
         self.lm_head: torch.Tensor | None = None
         self.checkpoint_layers = checkpoint_layers
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+        # Not a buffer: DDP would overwrite every rank's seed with rank 0's.
+        self.dropout_seed = torch.zeros(1, dtype=torch.int64)
+
+    def set_dropout_seed(self, seed: int) -> None:
+        """The seed of the next micro-batch's LoRA dropout masks, written on the device in place, so
+        that a captured CUDA graph reads it too. Training sets one per micro-batch (qlora_cli/step.py)."""
+        self.dropout_seed.fill_(seed)
 
     @classmethod
     def on_device(
@@ -281,6 +311,7 @@ class QLoRAModel(nn.Module):
             model = cls(spec, lora, **options)
         model.to_empty(device=device)
         model.inv_freq = rope_inv_freq(spec, device)
+        model.dropout_seed = torch.zeros(1, dtype=torch.int64, device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in model.layers:
             for group in layer.projections.values():
@@ -388,14 +419,15 @@ class QLoRAModel(nn.Module):
                     position_ids,
                     doc_ids,
                     self.inv_freq,
+                    self.dropout_seed,
                     use_reentrant=False,
                     context_fn=layer.checkpoint_contexts,
-                    # LoRA dropout is a layer's only random op; without it there is no RNG state to
-                    # replay, and none to read, which a CUDA graph capture could not do.
-                    preserve_rng_state=bool(self.lora and self.lora.dropout),
+                    # LoRA dropout, a layer's only random op, repeats its masks from dropout_seed; no
+                    # RNG state to save, and none to read, which a CUDA graph capture could not do.
+                    preserve_rng_state=False,
                 )
             else:
-                x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq)
+                x, residual = layer(x, residual, position_ids, doc_ids, self.inv_freq, self.dropout_seed)
         h, _ = timed(Op.FINAL_NORM, add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
         return h
 
@@ -406,12 +438,11 @@ class QLoRAModel(nn.Module):
         layer = self.layers[index]
 
         def run_layer(x):
-            return layer(x, None, position_ids, doc_ids, self.inv_freq)
+            return layer(x, None, position_ids, doc_ids, self.inv_freq, self.dropout_seed)
 
         trainables = [p for p in layer.parameters() if p.requires_grad]
-        dropout = bool(self.lora and self.lora.dropout)
         return OffloadedLayer.apply(
-            run_layer, self.offloader, index, layer.recomputation, dropout, stream, *trainables
+            run_layer, self.offloader, index, layer.recomputation, stream, *trainables
         )
 
     def forward(self, input_ids, position_ids=None, doc_ids=None) -> torch.Tensor:

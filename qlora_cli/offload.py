@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from qlora_cli.rng_replay import RngReplay
-
 
 class HostOffloader:
     """Layer inputs of one forward, kept off the GPU until that layer's backward asks for them."""
@@ -110,23 +108,21 @@ class OffloadedLayer(torch.autograd.Function):
         offloader: HostOffloader,
         index: int,
         recompute: Callable[[], contextlib.AbstractContextManager],
-        replay_rng: bool,
         x: torch.Tensor,
         *trainables: torch.Tensor,
     ):
         offloader.save(index, x)
         ctx.run_layer, ctx.offloader, ctx.index, ctx.recompute = run_layer, offloader, index, recompute
-        ctx.rng = RngReplay(x.device, replay_rng)
         ctx.trainables = len(trainables)
         return run_layer(x)
 
     @staticmethod
     def backward(ctx, *grads):
         x = ctx.offloader.load(ctx.index).detach().requires_grad_(True)
-        with ctx.rng.replaying(), torch.enable_grad(), ctx.recompute():
+        with torch.enable_grad(), ctx.recompute():
             outputs = ctx.run_layer(x)
         pairs = [
             (out, g) for out, g in zip(outputs, grads, strict=True) if g is not None and out.requires_grad
         ]
         torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, None, None, x.grad) + (None,) * ctx.trainables
+        return (None, None, None, None, x.grad) + (None,) * ctx.trainables

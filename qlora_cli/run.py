@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Run:
     eval_every: int | None = None  # optimizer steps between evaluations
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir.py)
+    startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
     def packed_doc_ids(batch, plan: BatchPlan):
@@ -113,6 +115,7 @@ def build_run(
         saved, start_adapter = read_peft_adapter(resolve_model(config.lora_model_dir))
         config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
         notes += adopted
+    data_start = time.perf_counter()
     data = prepare_data(config, tokenizer)
     config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
     notes += data.notes()
@@ -129,6 +132,7 @@ def build_run(
     eval_plan = (
         BatchPlan(eval_examples, **{**plan_args, "sample_packing": eval_packing}) if eval_examples else None
     )
+    data_s = time.perf_counter() - data_start
     batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
     steps_per_epoch = max(1, math.ceil(batches_per_step))
@@ -166,6 +170,7 @@ def build_run(
     if offload and not checkpointed:
         notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
         offload = False
+    model_start = time.perf_counter()
     model = QLoRAModel.from_pretrained(
         folder,
         quantize=config.quantize,
@@ -180,6 +185,9 @@ def build_run(
     if start_adapter is not None:
         load_adapter_state(model, start_adapter, config.lora_model_dir)
     model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    model_s = time.perf_counter() - model_start
     optimizer = torch.optim.AdamW(
         model.trainable_parameters(),
         lr=config.learning_rate,
@@ -206,6 +214,7 @@ def build_run(
         graphed=graphed,
         eval_every=eval_every,
         save_every=_every(config.save_steps, config.saves_per_epoch, steps_per_epoch),
+        startup_s={"data": data_s, "model": model_s},
     )
 
 

@@ -44,6 +44,13 @@ def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
     return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def dropout_seed(run_seed: int, micro_batch: int) -> int:
+    """The LoRA dropout seed of global micro-batch `micro_batch`: a pure function of the run's seed
+    and the micro-batch, so masks differ from micro-batch to micro-batch (and rank to rank, which
+    read other micro-batches) and a resumed run draws the ones it would have drawn."""
+    return (run_seed % (1 << 31)) << 32 | (micro_batch % (1 << 32))
+
+
 def micro_batch_backward(
     loss_fn: LossFn,
     inputs: Sequence[torch.Tensor | None],
@@ -82,7 +89,8 @@ def train_step(run: Run, step: int) -> StepLoss:
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
     scale = dist.world_size / max(1, trained)
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
-    for i, batch in enumerate(batches):
+    for i, (index, batch) in enumerate(zip(indices, batches, strict=True)):
+        run.model.set_dropout_seed(dropout_seed(config.seed, index))
         if run.graphed is None:
             with region(Op.DATA):
                 batch = batch.to(run.device)

@@ -53,6 +53,8 @@ class TrainResult:
     step: int
     loss: float | None
     checkpoint: Path | None
+    startup_s: float | None = None  # from `train` being called to the first step starting
+    seconds: float | None = None  # from `train` being called to its end
 
 
 @dataclass
@@ -99,6 +101,7 @@ class MetricWindow:
     def _restart(self) -> None:
         self.loss_sum, self.trained_tokens, self.input_tokens = 0.0, 0, 0
         self.start = time.perf_counter()
+        self.extra: dict = {}
 
     def add(self, outcome: StepOutcome) -> None:
         self.loss_sum += outcome.loss_sum
@@ -121,11 +124,14 @@ class MetricWindow:
             "grad_norm": grad_norm,
             "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
             "trained_tokens": self.trained_tokens,
+            "input_tokens": self.input_tokens,
+            "seconds": elapsed,
             "tokens_per_s": self.input_tokens / elapsed,
             "memory_gib": None if peaks[0] is None else max(peaks),
         }
         if run.dist.active:
             record["memory_gib_per_rank"] = peaks
+        record.update(self.extra)
         self._restart()
         return record
 
@@ -185,6 +191,7 @@ def train(
     prints and writes files. The run owns its output_dir while it trains (qlora_cli/rundir.py), and
     signals are answered from the start (qlora_cli/signals.py).
     """
+    started = time.perf_counter()
     if resume_from is None:
         resume_from = configured_resume(config)
     console = console or Console(stderr=True)
@@ -202,7 +209,10 @@ def train(
         signals.resume_option = dist.resume_option
         for folder in ownership.set_aside:
             console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
-        return _train(config, dist, resume_from, console, signals, trackers, ownership.run_id, profiler)
+        result = _train(
+            config, dist, resume_from, console, signals, trackers, ownership.run_id, profiler, started
+        )
+    return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
 def configured_resume(config: TrainConfig) -> Path | None:
@@ -237,7 +247,10 @@ def _train(
     trackers: Trackers,
     run_id: str | None,
     profiler: OpProfiler | None = None,
+    started: float | None = None,
 ) -> TrainResult:
+    """`started`: when the caller began, so that the start-up reported covers its part too."""
+    started = time.perf_counter() if started is None else started
     if resume_from is not None:
         check_world_size(resume_from, dist.world_size)
     run = build_run(config, dist, eager=profiler is not None, check_space=dist.is_main)
@@ -252,11 +265,15 @@ def _train(
             trackers.start(output_dir, start, tracker_state, warn=out.print)
         _announce(run, trackers, out)
         log = _metrics_log(run, None if resume_from is None else start)
-        window = MetricWindow(run)
         watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
         last_checkpoint, loss = resume_from, None
         if run.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.device)
+        startup = time.perf_counter() - started
+        out.print(_startup_line(run, startup))
+        window = MetricWindow(run)
+        window.extra["startup_s"] = startup
+        window.extra.update({f"startup_{part}_s": seconds for part, seconds in run.startup_s.items()})
         with out.progress(run.total_steps, start) as progress:
             for step in range(start, run.total_steps):
                 signals.training(step + 1)
@@ -275,8 +292,11 @@ def _train(
                     raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
         if last_checkpoint is not None and dist.is_main:
             _write_final_adapter(run, last_checkpoint)
-        out.to_file(f"finished: {run.total_steps} steps, adapter in {output_dir}")
-    return TrainResult(output_dir, run.total_steps, loss, last_checkpoint)
+        total = time.perf_counter() - started
+        out.to_file(
+            f"finished: {run.total_steps} steps in {total:.1f} s (start-up {startup:.1f} s), adapter in {output_dir}"
+        )
+    return TrainResult(output_dir, run.total_steps, loss, last_checkpoint, startup)
 
 
 def _restore_or_seed(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
@@ -302,6 +322,15 @@ def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
     )
     if run.dist.active:
         out.print(f"data parallel over {run.dist.world_size} processes ({run.dist.device.type})")
+
+
+def _startup_line(run: Run, seconds: float) -> str:
+    """How long the run took to reach its first step, and what that went to."""
+    parts = run.startup_s
+    return (
+        f"start-up {seconds:.1f} s to the first step: data {parts.get('data', 0.0):.1f} s (read, tokenize, "
+        f"pack), model {parts.get('model', 0.0):.1f} s (load, quantize)"
+    )
 
 
 def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:

@@ -1,9 +1,9 @@
-"""Attention: Triton kernel (interpreter on CPU) and sdpa backend against the fp32 reference."""
+"""Attention: Triton kernel (interpreter on CPU), sdpa and flex backends against the fp32 reference."""
 
 import pytest
 import torch
 
-from qlora_kernels.attention import attention, attention_reference
+from qlora_kernels.attention import attention, attention_flex, attention_reference
 
 
 def _packed_doc_ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,6 +101,48 @@ def test_reference_path_outside_interpreter(reference_ops):
     torch.testing.assert_close(attention(q, k, v, scale=0.3), attention_reference(q, k, v, scale=0.3))
 
 
+# Unfused on the CPU, as torch warns once: what is checked here is the mask.
+UNFUSED_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@UNFUSED_FLEX
+@pytest.mark.parametrize(("seq_len", "head_dim", "n_q_heads", "n_kv_heads", "with_docs"), CASES)
+def test_flex_forward_matches_reference(seq_len, head_dim, n_q_heads, n_kv_heads, with_docs):
+    """FlexAttention's document mask, on the CPU where it runs forward only (unfused)."""
+    generator = torch.Generator().manual_seed(2)
+    _, q, k, v = (t.detach() for t in _qkv_views(2, seq_len, n_q_heads, n_kv_heads, head_dim, seed=2))
+    doc_ids = _packed_doc_ids(2, seq_len, generator) if with_docs else None
+    out = attention_flex(q, k, v, doc_ids, scale=0.2)
+    torch.testing.assert_close(out, attention_reference(q, k, v, doc_ids, scale=0.2), atol=1e-5, rtol=1e-5)
+
+
+@UNFUSED_FLEX
+def test_flex_block_mask_follows_the_doc_ids_it_is_given():
+    """The mask is built once per doc_ids tensor and rebuilt when the tensor or its contents change."""
+    _, q, k, v = (t.detach() for t in _qkv_views(1, 24, 2, 1, 16, seed=3))
+    first = torch.zeros(1, 24, dtype=torch.int32)
+    first[:, 10:] = 1
+    second = torch.zeros(1, 24, dtype=torch.int32)
+    second[:, 5:] = 1
+    for doc_ids in (first, second, first):
+        out = attention_flex(q, k, v, doc_ids)
+        torch.testing.assert_close(out, attention_reference(q, k, v, doc_ids), atol=1e-5, rtol=1e-5)
+    first[:, 18:] = 2  # written in place, as a CUDA graph's static input is
+    torch.testing.assert_close(
+        attention_flex(q, k, v, first), attention_reference(q, k, v, first), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_flex_backend_takes_the_reference_on_the_cpu():
+    fused, q, k, v = _qkv_views(1, 17, 4, 2, 16)
+    doc_ids = _packed_doc_ids(1, 17, torch.Generator().manual_seed(5))
+    dout = torch.randn(1, 17, 4, 16)
+    out, grad = _output_and_grads(lambda *a: attention(*a, backend="flex"), fused, q, k, v, doc_ids, dout)
+    ref_out, ref_grad = _output_and_grads(attention_reference, fused, q, k, v, doc_ids, dout)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
 def test_rejects_mismatched_heads():
     q = torch.randn(1, 8, 5, 16)
     k = torch.randn(1, 8, 2, 16)
@@ -144,6 +186,22 @@ def test_triton_bf16_qwen_7b_shapes(batch, seq_len, with_docs):
         sdpa_grad_err,
         grad_scale,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_flex_bf16_qwen_7b_shapes(with_docs):
+    """FlexAttention compiled, bf16, forward and backward, against the fp32 reference."""
+    fused, q, k, v = _qkv_views(2, 2048, **QWEN_7B_HEADS, dtype=torch.bfloat16, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    doc_ids = _packed_doc_ids(2, 2048, torch.Generator().manual_seed(3)).cuda() if with_docs else None
+    dout = torch.randn(q.shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+    out, grad = _output_and_grads(lambda *a: attention(*a, backend="flex"), fused, q, k, v, doc_ids, dout)
+    fused32 = fused.detach().float().requires_grad_(True)
+    q32, k32, v32 = _split_fused(fused32, **QWEN_7B_HEADS)
+    ref_out, ref_grad = _output_and_grads(attention_reference, fused32, q32, k32, v32, doc_ids, dout.float())
+    assert (out.float() - ref_out).abs().max().item() < 2e-2
+    assert (grad.float() - ref_grad).abs().max().item() < 1e-2 * ref_grad.abs().max().item()
 
 
 @pytest.mark.gpu

@@ -41,3 +41,66 @@ def test_generate_benchmark_times_qlora_decoding(tmp_path, monkeypatch):
     baseline = {"decode_tokens_per_s": result["decode_tokens_per_s"] / 4, "ttft_s": result["ttft_s"] * 2}
     assert ratios({"qlora": result, "hf": baseline}) == pytest.approx({"speed_vs_hf": 4.0, "ttft_vs_hf": 0.5})
     assert any(".lora_B." in name and param.abs().sum() > 0 for name, param in model.named_parameters())
+
+
+def test_alpaca_shaped_rows_are_fixed_by_their_seed():
+    from benchmarks.alpaca_shaped import INPUT_SHARE, alpaca_rows
+
+    rows = alpaca_rows(2000, seed=1)
+    assert rows == alpaca_rows(2000, seed=1) and rows != alpaca_rows(2000, seed=2)
+    assert all(set(r) == {"instruction", "input", "output"} for r in rows)
+    with_input = sum(bool(r["input"]) for r in rows) / len(rows)
+    assert abs(with_input - INPUT_SHARE) < 0.04
+    lengths = sorted(len(r["output"].split()) for r in rows)
+    assert 40 < lengths[len(lengths) // 2] < 90 and lengths[-1] > 4 * lengths[len(lengths) // 2]
+
+
+def test_steady_tokens_per_s_leaves_out_the_warm_up():
+    from benchmarks.e2e import steady
+
+    steps = [{"seconds": 10.0, "trained_tokens": 10, "input_tokens": 20}] + [
+        {"seconds": 1.0, "trained_tokens": 100, "input_tokens": 400}
+    ] * 3
+    assert steady(steps, 1) == {"trained_tokens_per_s": 100.0, "tokens_per_s": 400.0, "timed_steps": 3}
+    assert steady(steps[:1], 1)["timed_steps"] == 1
+
+
+def test_e2e_runs_qlora_train_on_alpaca_shaped_rows(tmp_path):
+    """The qlora runner on the CPU with the demo's config and model: the real command line on rows it
+    writes, its numbers read from the run's metrics, the same numbers in the JSON file."""
+    out = tmp_path / "e2e.json"
+    command = [sys.executable, "-m", "benchmarks.e2e", "--config", "configs/demo.yaml"]
+    command += [
+        "--checkpoint",
+        "configs/demo/tiny-qwen3",
+        "--rows",
+        "120",
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "1",
+    ]
+    command += ["--runners", "qlora", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())["results"]["qlora"]
+    assert result["steps"] == 3 and result["timed_steps"] == 2
+    assert 0 < result["trained_tokens_per_s"] < result["tokens_per_s"]
+    assert 0 < result["startup_s"] < result["wall_s"]
+    assert set(result["startup_parts_s"]) == {"startup_data_s", "startup_model_s"}
+    assert (tmp_path / "work" / "alpaca-120-0.jsonl").is_file()
+    assert "qlora train" in proc.stdout
+
+
+def test_packed_attention_rows_and_the_ideal_speedup():
+    import torch
+
+    from benchmarks.packed_attention import ideal_speedup, packed_doc_ids
+
+    doc_ids = packed_doc_ids(2, 4096, seed=0)
+    assert doc_ids.shape == (2, 4096) and torch.equal(doc_ids, packed_doc_ids(2, 4096, seed=0))
+    assert (doc_ids.diff(dim=1) >= 0).all() and 5 < doc_ids[0].max() < 40
+    assert ideal_speedup(torch.zeros(1, 100, dtype=torch.int32)) == 1.0
+    halves = torch.tensor([[0] * 50 + [1] * 50])
+    assert ideal_speedup(halves) == (100 * 101 / 2) / (2 * 50 * 51 / 2)
+    assert ideal_speedup(doc_ids) > 5

@@ -94,27 +94,12 @@ def test_sliced_mlp_matches_whole_mlp(checkpoint, lora, checkpointed, monkeypatc
 @pytest.mark.parametrize(
     "options", [{}, {"checkpoint_layers": 2}, {"checkpoint_layers": 2, "offload_activations": True}]
 )
-def test_sliced_mlp_with_dropout_replays_its_masks(checkpoint, options, monkeypatch, reference_ops):
-    """Slices draw other masks than the whole MLP would, so the check is the gradient itself: along a
-    random direction it matches the loss's central difference under the same masks."""
+def test_sliced_mlp_with_dropout_draws_the_whole_mlps_masks(checkpoint, options, monkeypatch, reference_ops):
+    """A slice's dropout mask is the whole MLP's mask at the slice's tokens (kernels.dropout's offset),
+    and every recompute repeats it: sliced, recomputed, offloaded, the step is the plain one."""
+    whole = _step(checkpoint, LORAS["dropout"])
     _slice_every_20_tokens(monkeypatch)
-    _, grads, model = _step(checkpoint, LORAS["dropout"], **options)
-    params = dict(model.named_parameters())
-    generator = torch.Generator().manual_seed(2)
-    direction = {name: torch.randn(grad.shape, generator=generator) for name, grad in grads.items()}
-    ids = torch.randint(0, 160, (2, 24), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for sign in (1, -1):
-        with torch.no_grad():
-            for name, v in direction.items():
-                params[name].add_(sign * 1e-3 * v)
-            torch.manual_seed(0)
-            losses.append(model.loss(ids, ids.roll(-1, dims=1))[0].double())
-            for name, v in direction.items():
-                params[name].sub_(sign * 1e-3 * v)
-    numeric = (losses[0] - losses[1]) / 2e-3
-    analytic = sum((grads[name].double() * v.double()).sum() for name, v in direction.items())
-    assert abs(numeric - analytic) < 2e-2 * abs(analytic), (numeric, analytic)
+    _assert_same(_step(checkpoint, LORAS["dropout"], **options), whole)
 
 
 def test_sliced_mlp_takes_the_slices(checkpoint, monkeypatch, reference_ops):

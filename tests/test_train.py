@@ -44,6 +44,12 @@ def test_demo_loss_falls_and_files_are_written(tmp_path, monkeypatch):
     assert losses[-1] < 0.6 * losses[0]
     records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(records[0])
+    # The start-up (load, quantize, tokenize, pack) is counted once, in the first record and train.log.
+    assert 0 < records[0]["startup_s"] == result.startup_s < result.seconds
+    assert all("startup_s" not in r for r in records[1:])
+    assert records[0]["tokens_per_s"] == pytest.approx(records[0]["input_tokens"] / records[0]["seconds"])
+    log = (result.output_dir / "train.log").read_text()
+    assert "start-up" in log and "(read, tokenize, pack)" in log and "(load, quantize)" in log
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [10, 20] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
     assert evals[1]["eval_ppl"] > 1

@@ -1,0 +1,108 @@
+"""LoRA dropout in training: masks drawn from a seed per micro-batch, repeated by every recompute,
+and read on the device, so a CUDA graph replays a new mask each micro-batch."""
+
+import pytest
+import torch
+from checkpoints import write_run
+
+import qlora_cli.model as model_module
+from qlora_cli.config import load_config
+from qlora_cli.graphs import GraphedLoss
+from qlora_cli.run import build_run
+from qlora_cli.step import dropout_seed, train_step
+
+CUDA = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_seeds_differ_between_micro_batches_and_runs():
+    seeds = {dropout_seed(run_seed, index) for run_seed in (0, 3, -1) for index in range(50)}
+    assert len(seeds) == 150
+    assert all(0 <= seed < 2**63 for seed in seeds)
+
+
+def test_masks_differ_between_micro_batches_and_recompute_repeats_them(tmp_path, monkeypatch, reference_ops):
+    """Two optimizer steps of two micro-batches each, every layer recomputed in backward: each call
+    site draws four different masks, and its recompute draws its forward's mask again."""
+    config = load_config(
+        write_run(
+            tmp_path,
+            lora_dropout=0.3,
+            sample_packing=True,
+            gradient_accumulation_steps=2,
+            gradient_checkpointing=True,
+        )
+    )
+    run = build_run(config)
+    drawn: dict[tuple[int, int], list[torch.Tensor]] = {}
+    real = model_module.seeded_dropout
+
+    def recording(x, p, seed, salt, offset=0):
+        out = real(x, p, seed, salt, offset)
+        drawn.setdefault((int(seed), salt), []).append((out == 0).flatten().clone())
+        return out
+
+    monkeypatch.setattr(model_module, "seeded_dropout", recording)
+    for step in range(2):
+        train_step(run, step)
+        run.optimizer.zero_grad()
+    seeds = {seed for seed, _ in drawn}
+    salts = {salt for _, salt in drawn}
+    assert len(seeds) == 4 and len(salts) == 4 * len(run.model.layers)
+    for masks in drawn.values():
+        assert len(masks) == 2  # forward, then the recompute in backward
+        assert torch.equal(masks[0], masks[1])
+        assert 0.2 < masks[0].float().mean() < 0.4
+    for salt in salts:
+        per_seed = [drawn[(seed, salt)][0] for seed in sorted(seeds)]
+        assert all(not torch.equal(a, b) for i, a in enumerate(per_seed) for b in per_seed[i + 1 :])
+
+
+def test_training_with_dropout_keeps_cuda_graphs_on_the_table(tmp_path):
+    from qlora_cli.graphs import cuda_graph_blocker
+
+    config = load_config(write_run(tmp_path, lora_dropout=0.05, sample_packing=True))
+    assert cuda_graph_blocker(config, CUDA, 1) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_replayed_graph_draws_the_mask_of_the_seed_it_finds(deterministic_algorithms):
+    """The same micro-batch replayed under two seeds: other gradients; under the first seed again:
+    the first gradients, bit for bit, and those of an eager call with that seed."""
+    from test_gpu_step import _batch, _model
+
+    model = _model(torch.bfloat16)
+    for layer in model.layers:
+        for group in layer.projections.values():
+            group.dropout = 0.1
+    model.checkpoint_layers = len(model.layers)
+    params = model.trainable_parameters()
+    batch = _batch()
+    graphed = GraphedLoss(model.loss, CUDA, model.spec.vocab_size)
+
+    def grads(seed, call):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        model.set_dropout_seed(seed)
+        call(batch)
+        return [p.grad.clone() for p in params]
+
+    def eager(b):
+        loss_sum, _ = model.loss(*b)
+        (loss_sum * 1e-3).backward()
+
+    def replay(b):
+        graphed(b, 1, 1e-3)
+
+    grads(1, replay)  # the eager first call
+    grads(1, replay)  # the capture
+    first = grads(1, replay)
+    second = grads(2, replay)
+    again = grads(1, replay)
+    reference = grads(1, eager)
+    assert any(not torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    for a, b, c in zip(first, again, reference, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-7)
