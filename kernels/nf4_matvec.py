@@ -8,8 +8,11 @@ bf16, five times the NF4 bytes; the Triton kernel here instead decodes the 4-bit
 their block absmaxes (double-quantized or plain fp32) in registers, tile by tile, and multiplies
 them straight into fp32 accumulators, reading each weight byte once for all M rows.
 
-Numerics match `x @ dequantize_nf4(W).T`: each weight value is code * absmax in fp32, rounded to
-x.dtype, and products are summed in fp32; the result is cast to x.dtype once, after the bias.
+Numerics: each weight value is code * absmax in fp32, products are summed in fp32 and the result
+is cast to x.dtype once, after the bias. The reference, and the kernel for more than one row
+(tensor cores), round the weight to x.dtype first, as `x @ dequantize_nf4(W).T` does; at batch 1
+the kernel keeps it in fp32 (fewer instructions, and no less accurate), so there a bf16 result
+can differ from the reference by the weights' bf16 rounding.
 
 Each program owns a tile of output features (N) for all M rows and walks its share of K; when
 the N tiles alone would leave the GPU idle (k/v at batch 1, or o/down whose N is small), K is
@@ -70,6 +73,33 @@ def nf4_matvec_reference(
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _block_absmax(
+        absmax_ptr,
+        nested_ptr,
+        dynamic_map_ptr,
+        offset,
+        blocks,
+        mask,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+    ):
+        """fp32 absmax of quantization blocks `blocks`: dynamic_map[code] * nested + offset, or as stored."""
+        if DOUBLE_QUANT:
+            code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
+            nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+            return tl.load(dynamic_map_ptr + code) * nested + offset
+        else:
+            return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+
+    @triton.jit
+    def _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks."""
+        block_in_tile = tl.arange(0, BLOCK_K // BLOCKSIZE)
+        blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
+        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < K)[None, :]
+        return blocks, mask
+
+    @triton.jit
     def _nf4_tile(
         packed_ptr,
         absmax_ptr,
@@ -95,37 +125,72 @@ if TRITON_AVAILABLE:
         its own byte, nibble and block from its flat index (any K, odd ones included).
         """
         if ALIGNED:
-            BLOCKS: tl.constexpr = BLOCK_K // BLOCKSIZE
-            HALF: tl.constexpr = BLOCKSIZE // 2
-            block_in_tile = tl.arange(0, BLOCKS)
-            blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
-            block_mask = row_mask[:, None] & (k_start + block_in_tile[None, :] * BLOCKSIZE < K)
-            if DOUBLE_QUANT:
-                absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
-                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
-                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-            else:
-                absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
-            byte_offsets = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
-            packed = tl.load(packed_ptr + byte_offsets, mask=block_mask[:, :, None], other=0).to(tl.int32)
+            blocks, mask = _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE, BLOCK_K)
+            absmax = _block_absmax(
+                absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
+            )
+            byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+            packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
             high = tl.load(code_ptr + (packed >> 4))
             low = tl.load(code_ptr + (packed & 0xF))
             values = tl.interleave(high, low) * absmax[:, :, None]
-            return tl.where(block_mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
+            return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
         else:
             ks = k_start + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < K)[None, :]
             flat = rows[:, None] * K + ks[None, :]
             packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
             codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
-            blocks = flat // BLOCKSIZE
-            if DOUBLE_QUANT:
-                absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
-                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-            else:
-                absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+            absmax = _block_absmax(
+                absmax_ptr,
+                nested_ptr,
+                dynamic_map_ptr,
+                offset,
+                flat // BLOCKSIZE,
+                mask,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+            )
             return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
+
+    @triton.jit
+    def _nf4_blocks_dot_x(
+        packed_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        x_row_ptr,
+        rows,
+        k_start,
+        row_mask,
+        K,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One x row against a tile of whole blocks: [rows, blocks] of absmax * sum(code * x).
+
+        The absmax multiplies once per block instead of once per value, and the codes meet x's
+        even and odd values straight from the nibbles, unshuffled: per value one nibble, one
+        table read and one fma, which keeps batch 1 bound by memory, not by instructions.
+        """
+        BLOCKS: tl.constexpr = BLOCK_K // BLOCKSIZE
+        HALF: tl.constexpr = BLOCKSIZE // 2
+        blocks, mask = _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE, BLOCK_K)
+        absmax = _block_absmax(
+            absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
+        )
+        byte_offsets = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
+        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
+        ks = k_start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x_high, x_low = tl.split(tl.reshape(x, (BLOCKS, HALF, 2)))
+        high = tl.load(code_ptr + (packed >> 4)) * x_high[None, :, :]
+        sums = tl.sum(high + tl.load(code_ptr + (packed & 0xF)) * x_low[None, :, :], axis=2)
+        return sums * absmax
 
     @triton.jit
     def _nf4_matvec_kernel(
@@ -159,9 +224,11 @@ if TRITON_AVAILABLE:
     ):
         """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
 
-        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 keeps a [BLOCK_N, BLOCK_K] fp32
-        accumulator of products and sums it once at the end; larger BLOCK_M uses tl.dot, on fp32
-        operands (exact IEEE products) for fp32 x and in the interpreter, whose bf16 dot is wrong.
+        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 sums in fp32 lanes with the weights in
+        fp32 (per block with whole blocks, `_nf4_blocks_dot_x`, else a [BLOCK_N, BLOCK_K]
+        accumulator of products summed once at the end). Larger BLOCK_M rounds the weights to x's
+        dtype and uses tl.dot, on fp32 operands (exact IEEE products) for fp32 x and in the
+        interpreter, whose bf16 dot is wrong.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -171,25 +238,23 @@ if TRITON_AVAILABLE:
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = ms < M
         k_begin = pid_k * k_per_split
-        if BLOCK_M == 1:
+        BLOCK_SUMS: tl.constexpr = BLOCK_M == 1 and ALIGNED and not PLAIN
+        if BLOCK_SUMS:
+            sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
+        elif BLOCK_M == 1:
             products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k_start in range(k_begin, k_begin + k_per_split, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            if PLAIN:
-                w_offsets = rows[:, None] * weight_row_stride + ks[None, :]
-                w_mask = row_mask[:, None] & k_mask[None, :]
-                weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
-            else:
-                weights = _nf4_tile(
+            if BLOCK_SUMS:
+                sums += _nf4_blocks_dot_x(
                     weight_ptr,
                     absmax_ptr,
                     nested_ptr,
                     code_ptr,
                     dynamic_map_ptr,
                     offset,
+                    x_ptr + pid_m * x_row_stride,
                     rows,
                     k_start,
                     row_mask,
@@ -197,29 +262,54 @@ if TRITON_AVAILABLE:
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
                     DOUBLE_QUANT,
-                    ALIGNED,
-                    BLOCK_N,
                     BLOCK_K,
                 )
-            # Rounded to x's dtype first, as a dequantized weight would be.
-            weights = weights.to(x_ptr.dtype.element_ty)
-            x_offsets = ms[:, None] * x_row_stride + ks[None, :]
-            x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if BLOCK_M == 1:
-                products += weights.to(tl.float32) * x.to(tl.float32)
-            elif DOT_IN_FP32:
-                acc = tl.dot(weights.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc = tl.dot(weights, tl.trans(x), acc)
-        if BLOCK_M == 1:
+                ks = k_start + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                if PLAIN:
+                    w_offsets = rows[:, None] * weight_row_stride + ks[None, :]
+                    w_mask = row_mask[:, None] & k_mask[None, :]
+                    weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+                else:
+                    weights = _nf4_tile(
+                        weight_ptr,
+                        absmax_ptr,
+                        nested_ptr,
+                        code_ptr,
+                        dynamic_map_ptr,
+                        offset,
+                        rows,
+                        k_start,
+                        row_mask,
+                        K,
+                        BLOCKSIZE,
+                        NESTED_BLOCKSIZE,
+                        DOUBLE_QUANT,
+                        ALIGNED,
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+                x_offsets = ms[:, None] * x_row_stride + ks[None, :]
+                x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if BLOCK_M == 1:
+                    products += weights * x.to(tl.float32)
+                elif DOT_IN_FP32:
+                    # Rounded to x's dtype first, as a dequantized weight would be.
+                    weights = weights.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    acc = tl.dot(weights, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(weights.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+        if BLOCK_SUMS:
+            acc = tl.sum(sums, axis=1)[:, None]
+        elif BLOCK_M == 1:
             acc = tl.sum(products, axis=1)[:, None]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
             acc += (bias * (pid_k == 0).to(tl.float32))[:, None]
         out_offsets = pid_k * out_split_stride + ms[None, :] * out_row_stride + rows[:, None]
-        tl.store(
-            out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & m_mask[None, :]
-        )
+        out_mask = row_mask[:, None] & m_mask[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
