@@ -89,11 +89,11 @@ def _sweep_configs(rows: int) -> list[MatvecConfig]:
 
 
 def _sweep(x, weights, biases) -> dict:
-    """Fastest tile sizes for this shape, with the default split and with one split per N tile."""
+    """Fastest tile sizes for this shape, K split for 2, 4 or 8 programs per SM."""
     best = None
     for config in _sweep_configs(x.shape[0]):
-        for split in (None, 1):
-            candidate = replace(config, split_k=split)
+        for programs_per_sm in (2, 4, 8):
+            candidate = replace(config, programs_per_sm=programs_per_sm)
             try:
                 timing = _replay(lambda c=candidate: _nf4_matvec_triton(x, weights, biases, c))
             except Exception as error:  # a tile the compiler rejects (registers, shared memory)

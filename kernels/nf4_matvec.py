@@ -327,23 +327,25 @@ if TRITON_AVAILABLE:
 
 @dataclass(frozen=True)
 class MatvecConfig:
-    """Tile sizes of one call; `split_k` None picks the split that fills the GPU."""
+    """Tile sizes of one call. `split_k` None picks the K split from `programs_per_sm`."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 4
     split_k: int | None = None
 
 
 def default_config(rows: int) -> MatvecConfig:
-    """Batch 1: thin N tiles of wide K (fp32 lanes, no tensor cores). More rows: tl.dot on M
-    padded to 16, with N tiles wide enough that re-reading x per tile stays small next to W."""
+    """Batch 1: N tiles of 32 rows by 256 values (4 KB of codes a step, fp32 lanes, no tensor
+    cores). More rows: tl.dot on M padded to 16, 64-row N tiles, so that re-reading x (from L2)
+    for every N tile costs no more than the tile's own codes at 16 rows."""
     if rows == 1:
-        return MatvecConfig(block_m=1, block_n=16, block_k=256)
+        return MatvecConfig(block_m=1, block_n=32, block_k=256)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return MatvecConfig(block_m=block_m, block_n=64, block_k=128)
+    return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2)
 
 
 @cache
@@ -354,19 +356,24 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_PROGRAMS_PER_SM = 2
+# Partial sums are rows * splits fp32 rows of the output, written and read once more (in L2 at
+# these sizes): at most 256.
+_MAX_PARTIAL_ROWS = 256
 _SUM_BLOCK = 1024
 
 
 def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int, device) -> tuple[int, int]:
-    """(splits, K per split): enough programs for the group's widest weight to fill the GPU."""
+    """(splits, K per split), one split for the whole group (one sum kernel after it): enough
+    programs for its narrowest weight to fill the GPU (k/v, whose launches are otherwise a few
+    dozen programs), within _MAX_PARTIAL_ROWS."""
     k = weights[0].shape[1]
     k_tiles = triton.cdiv(k, config.block_k)
     if config.split_k is not None:
         wanted = config.split_k
     else:
-        n_tiles = triton.cdiv(max(w.shape[0] for w in weights), config.block_n) * m_tiles
-        wanted = triton.cdiv(_PROGRAMS_PER_SM * _multiprocessors(device), n_tiles)
+        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * m_tiles
+        wanted = triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles)
+        wanted = min(wanted, max(1, _MAX_PARTIAL_ROWS // (m_tiles * config.block_m)))
     tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
 
