@@ -327,7 +327,8 @@ if TRITON_AVAILABLE:
 
 @dataclass(frozen=True)
 class MatvecConfig:
-    """Tile sizes of one call. `split_k` None picks the K split from `programs_per_sm`."""
+    """Tile sizes of one call. `split_k` None splits K so that no program walks more than
+    `k_tiles_per_program` tiles and the narrowest weight still gets `programs_per_sm` programs."""
 
     block_m: int
     block_n: int
@@ -335,17 +336,22 @@ class MatvecConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
+    k_tiles_per_program: int = 4
     split_k: int | None = None
 
 
 def default_config(rows: int) -> MatvecConfig:
     """Batch 1: N tiles of 32 rows by 256 values (4 KB of codes a step, fp32 lanes, no tensor
     cores). More rows: tl.dot on M padded to 16, 64-row N tiles, so that re-reading x (from L2)
-    for every N tile costs no more than the tile's own codes at 16 rows."""
+    for every N tile costs no more than the tile's own codes at 16 rows.
+
+    Short programs (a few tiles each, many per SM) rather than one long one per N tile: the loop
+    is not software-pipelined at batch 1 (no tl.dot), so bytes in flight come from programs in
+    flight, and many short programs also leave a small last wave."""
     if rows == 1:
         return MatvecConfig(block_m=1, block_n=32, block_k=256)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2)
+    return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2, k_tiles_per_program=8)
 
 
 @cache
@@ -356,24 +362,27 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Partial sums are rows * splits fp32 rows of the output, written and read once more (in L2 at
-# these sizes): at most 256.
-_MAX_PARTIAL_ROWS = 256
+# Split partial sums (fp32, written and read back once) may cost at most half the bytes of the
+# NF4 codes: splits * rows * N * 8 <= N * K / 4.
+_PARTIAL_K_PER_ROW = 32
 _SUM_BLOCK = 1024
 
 
 def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int, device) -> tuple[int, int]:
-    """(splits, K per split), one split for the whole group (one sum kernel after it): enough
-    programs for its narrowest weight to fill the GPU (k/v, whose launches are otherwise a few
-    dozen programs), within _MAX_PARTIAL_ROWS."""
+    """(splits, K per split), one split for the whole group (one sum kernel after it): programs of
+    at most k_tiles_per_program tiles, and enough of them for the group's narrowest weight to fill
+    the GPU (k/v, whose launches are otherwise a few dozen programs), within _PARTIAL_K_PER_ROW."""
     k = weights[0].shape[1]
     k_tiles = triton.cdiv(k, config.block_k)
     if config.split_k is not None:
         wanted = config.split_k
     else:
         n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * m_tiles
-        wanted = triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles)
-        wanted = min(wanted, max(1, _MAX_PARTIAL_ROWS // (m_tiles * config.block_m)))
+        wanted = max(
+            triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles),
+            triton.cdiv(k_tiles, config.k_tiles_per_program),
+        )
+        wanted = min(wanted, max(1, k // (_PARTIAL_K_PER_ROW * m_tiles * config.block_m)))
     tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
 

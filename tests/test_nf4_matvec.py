@@ -86,13 +86,17 @@ def test_split_k_sums_partials(name, rows, splits):
     )
 
 
-def test_default_split_fills_programs_for_narrow_weights():
-    """A weight with few N tiles gets K splits; one with many does not."""
-    config = MatvecConfig(block_m=1, block_n=16, block_k=64)
-    narrow = [torch.zeros(16, 1024)]
-    wide = [torch.zeros(16 * 64, 1024)]
-    assert _split_k(config, narrow, 1, torch.device("cpu"))[0] > 1
-    assert _split_k(config, wide, 1, torch.device("cpu"))[0] == 1
+def test_default_split_bounds_program_length_and_partial_sums():
+    """Narrow weights get more K splits (enough programs), wide ones only enough to keep each
+    program to k_tiles_per_program tiles; partial sums stay within half the codes' bytes."""
+    cpu = torch.device("cpu")
+    config = MatvecConfig(block_m=1, block_n=16, block_k=64, programs_per_sm=4, k_tiles_per_program=4)
+    narrow = _split_k(config, [torch.zeros(16, 1024)], 1, cpu)
+    wide = _split_k(config, [torch.zeros(16 * 64, 1024)], 1, cpu)
+    assert narrow[0] > wide[0]
+    assert wide == (4, 256)
+    batched = replace(config, block_m=16)
+    assert _split_k(batched, [torch.zeros(16, 1024)], 1, cpu)[0] == 1024 // (32 * 16)
 
 
 def test_leading_dims_and_missing_biases():
