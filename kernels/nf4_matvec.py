@@ -225,10 +225,9 @@ if TRITON_AVAILABLE:
         """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
 
         Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 sums in fp32 lanes with the weights in
-        fp32 (per block with whole blocks, `_nf4_blocks_dot_x`, else a [BLOCK_N, BLOCK_K]
-        accumulator of products summed once at the end). Larger BLOCK_M rounds the weights to x's
-        dtype and uses tl.dot, on fp32 operands (exact IEEE products) for fp32 x and in the
-        interpreter, whose bf16 dot is wrong.
+        fp32 (per block with whole blocks, `_nf4_blocks_dot_x`, else per row). Larger BLOCK_M
+        rounds the weights to x's dtype and uses tl.dot, on fp32 operands (exact IEEE products)
+        for fp32 x and in the interpreter, whose bf16 dot is wrong.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -242,7 +241,7 @@ if TRITON_AVAILABLE:
         if BLOCK_SUMS:
             sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
         elif BLOCK_M == 1:
-            products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k_start in range(k_begin, k_begin + k_per_split, BLOCK_K):
@@ -293,7 +292,7 @@ if TRITON_AVAILABLE:
                 x_offsets = ms[:, None] * x_row_stride + ks[None, :]
                 x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 if BLOCK_M == 1:
-                    products += weights * x.to(tl.float32)
+                    row_sums += tl.sum(weights * x.to(tl.float32), axis=1)
                 elif DOT_IN_FP32:
                     # Rounded to x's dtype first, as a dequantized weight would be.
                     weights = weights.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -303,7 +302,7 @@ if TRITON_AVAILABLE:
         if BLOCK_SUMS:
             acc = tl.sum(sums, axis=1)[:, None]
         elif BLOCK_M == 1:
-            acc = tl.sum(products, axis=1)[:, None]
+            acc = row_sums[:, None]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
             acc += (bias * (pid_k == 0).to(tl.float32))[:, None]
@@ -472,6 +471,17 @@ def _nf4_matvec_triton(
 # ----------------------------------------------------------------------------- public
 
 
+def _plain_matvec(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """Plain weights in x.dtype through torch (fp32 accumulation inside the matmul)."""
+    outputs = [
+        torch.nn.functional.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+        for w, b in zip(weights, biases, strict=True)
+    ]
+    return torch.cat(outputs, dim=-1)
+
+
 def _check_arguments(x: torch.Tensor, weights: Sequence[FrozenWeight], biases) -> None:
     if not weights:
         raise ValueError("nf4_matvec needs at least one weight")
@@ -490,11 +500,17 @@ def nf4_matvec(
     weights: Sequence[FrozenWeight],
     biases: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype."""
+    """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype.
+
+    A group with no NF4 weight (quantization off) goes to torch's matmul (cuBLAS GEMV), which
+    reads plain weights as fast as this kernel could.
+    """
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
     biases = _biases_or_none(biases, len(weights))
-    if use_triton(x):
+    if not any(isinstance(w, NF4Weight) for w in weights):
+        out = _plain_matvec(rows, weights, biases)
+    elif use_triton(x):
         out = _nf4_matvec_triton(rows, weights, biases)
     else:
         out = nf4_matvec_reference(rows, weights, biases)

@@ -126,6 +126,19 @@ def test_reference_is_matmul_with_dequantized_weights(name, dtype, reference_ops
     assert column == y.shape[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plain_group_goes_to_torch(dtype):
+    """No NF4 weight in the group (quantization off): torch's matmul, still the reference's numbers."""
+    generator = torch.Generator().manual_seed(3)
+    weights = [
+        torch.randn(24, 40, generator=generator).to(dtype),
+        torch.randn(8, 40, generator=generator).to(dtype),
+    ]
+    biases = [None, torch.randn(8, generator=generator).to(dtype)]
+    x = _x(3, 40, dtype)
+    _assert_close(nf4_matvec(x, weights, biases), nf4_matvec_reference(x, weights, biases), dtype)
+
+
 def test_cpu_path_runs_reference(reference_ops):
     in_features, weights, biases = _group("rows_straddle_blocks", double_quant=False)
     x = _x(3, in_features, torch.bfloat16)
