@@ -92,11 +92,12 @@ if TRITON_AVAILABLE:
             return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
 
     @triton.jit
-    def _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks."""
+    def _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks,
+        and which of them lie in the matrix before column k_end."""
         block_in_tile = tl.arange(0, BLOCK_K // BLOCKSIZE)
         blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
-        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < K)[None, :]
+        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < k_end)[None, :]
         return blocks, mask
 
     @triton.jit
@@ -125,7 +126,7 @@ if TRITON_AVAILABLE:
         its own byte, nibble and block from its flat index (any K, odd ones included).
         """
         if ALIGNED:
-            blocks, mask = _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE, BLOCK_K)
+            blocks, mask = _tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
             absmax = _block_absmax(
                 absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
             )
@@ -154,16 +155,14 @@ if TRITON_AVAILABLE:
             return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
 
     @triton.jit
-    def _nf4_blocks_dot_x(
+    def _fetch_blocks(
         packed_ptr,
         absmax_ptr,
         nested_ptr,
-        code_ptr,
-        dynamic_map_ptr,
-        offset,
         x_row_ptr,
         rows,
         k_start,
+        k_end,
         row_mask,
         K,
         BLOCKSIZE: tl.constexpr,
@@ -171,23 +170,44 @@ if TRITON_AVAILABLE:
         DOUBLE_QUANT: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """One x row against a tile of whole blocks: [rows, blocks] of absmax * sum(code * x).
+        """The raw bytes of a tile of whole blocks and of its x slice, nothing computed from them:
+        issued a step ahead of their use, they are in flight while the previous tile computes."""
+        blocks, mask = _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE, BLOCK_K)
+        byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0)
+        if DOUBLE_QUANT:
+            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0)
+            nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+        else:
+            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+            nested = absmax
+        ks = k_start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row_ptr + ks, mask=ks < k_end, other=0.0)
+        return packed, absmax, nested, x
+
+    @triton.jit
+    def _blocks_dot_x(
+        packed,
+        absmax,
+        nested,
+        x,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One x row against a fetched tile of whole blocks: [rows, blocks] of absmax * sum(code * x).
 
         The absmax multiplies once per block instead of once per value, and the codes meet x's
         even and odd values straight from the nibbles, unshuffled: per value one nibble, one
         table read and one fma, which keeps batch 1 bound by memory, not by instructions.
         """
-        BLOCKS: tl.constexpr = BLOCK_K // BLOCKSIZE
-        HALF: tl.constexpr = BLOCKSIZE // 2
-        blocks, mask = _tile_blocks(rows, k_start, row_mask, K, BLOCKSIZE, BLOCK_K)
-        absmax = _block_absmax(
-            absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
-        )
-        byte_offsets = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
-        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
-        ks = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        x_high, x_low = tl.split(tl.reshape(x, (BLOCKS, HALF, 2)))
+        if DOUBLE_QUANT:
+            absmax = tl.load(dynamic_map_ptr + absmax.to(tl.int32)) * nested + offset
+        packed = packed.to(tl.int32)
+        x_high, x_low = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2, 2)))
         high = tl.load(code_ptr + (packed >> 4)) * x_high[None, :, :]
         sums = tl.sum(high + tl.load(code_ptr + (packed & 0xF)) * x_low[None, :, :], axis=2)
         return sums * absmax
@@ -225,7 +245,7 @@ if TRITON_AVAILABLE:
         """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
 
         Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 sums in fp32 lanes with the weights in
-        fp32 (per block with whole blocks, `_nf4_blocks_dot_x`, else per row). Larger BLOCK_M
+        fp32 (per block with whole blocks, `_blocks_dot_x`, else per row). Larger BLOCK_M
         rounds the weights to x's dtype and uses tl.dot, on fp32 operands (exact IEEE products)
         for fp32 x and in the interpreter, whose bf16 dot is wrong.
         """
@@ -237,6 +257,7 @@ if TRITON_AVAILABLE:
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = ms < M
         k_begin = pid_k * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
         BLOCK_SUMS: tl.constexpr = BLOCK_M == 1 and ALIGNED and not PLAIN
         if BLOCK_SUMS:
             sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
@@ -244,22 +265,53 @@ if TRITON_AVAILABLE:
             row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k_start in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        if BLOCK_SUMS:
+            # The next tile's bytes are fetched before this one computes (a software pipeline by
+            # hand: Triton pipelines only loops with tl.dot by itself, and for this one it would
+            # also stage the code-table reads through shared memory).
+            x_row_ptr = x_ptr + pid_m * x_row_stride
+            fetched = _fetch_blocks(
+                weight_ptr,
+                absmax_ptr,
+                nested_ptr,
+                x_row_ptr,
+                rows,
+                k_begin,
+                k_end,
+                row_mask,
+                K,
+                BLOCKSIZE,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+                BLOCK_K,
+            )
+        for k_start in range(k_begin, k_end, BLOCK_K):
             if BLOCK_SUMS:
-                sums += _nf4_blocks_dot_x(
+                packed, absmax, nested, x = fetched
+                fetched = _fetch_blocks(
                     weight_ptr,
                     absmax_ptr,
                     nested_ptr,
-                    code_ptr,
-                    dynamic_map_ptr,
-                    offset,
-                    x_ptr + pid_m * x_row_stride,
+                    x_row_ptr,
                     rows,
-                    k_start,
+                    k_start + BLOCK_K,
+                    k_end,
                     row_mask,
                     K,
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    BLOCK_K,
+                )
+                sums += _blocks_dot_x(
+                    packed,
+                    absmax,
+                    nested,
+                    x,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    BLOCKSIZE,
                     DOUBLE_QUANT,
                     BLOCK_K,
                 )
@@ -344,11 +396,11 @@ def default_config(rows: int) -> MatvecConfig:
     cores). More rows: tl.dot on M padded to 16, 64-row N tiles, so that re-reading x (from L2)
     for every N tile costs no more than the tile's own codes at 16 rows.
 
-    Short programs (a few tiles each, many per SM) rather than one long one per N tile: the loop
-    is not software-pipelined at batch 1 (no tl.dot), so bytes in flight come from programs in
-    flight, and many short programs also leave a small last wave."""
+    K is split so that programs walk a few tiles each (with the next tile's bytes fetched while
+    one computes) rather than one long program per N tile: bytes in flight come from programs in
+    flight, and many shorter programs also leave a smaller last wave."""
     if rows == 1:
-        return MatvecConfig(block_m=1, block_n=32, block_k=256)
+        return MatvecConfig(block_m=1, block_n=32, block_k=256, k_tiles_per_program=8)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2, k_tiles_per_program=8)
 
