@@ -3,8 +3,8 @@
     y = concat_p( x @ dequant(W_p)^T + bias_p )        x: [M, K], M a decode batch (1..64)
 
 At decode a step multiplies a handful of rows by every weight once, so the time is the time to
-read the weights. Dequantizing a whole matrix first (kernels.nf4) writes and re-reads it at
-bf16, five times the NF4 bytes; the Triton kernel here instead decodes the 4-bit codes and
+read the weights. Dequantizing a whole matrix first (kernels.nf4) also writes it at bf16 and
+reads it back, nine times the bytes of the codes alone; the Triton kernel here decodes the codes and
 their block absmaxes (double-quantized or plain fp32) in registers, tile by tile, and multiplies
 them straight into fp32 accumulators, reading each weight byte once for all M rows.
 
@@ -560,7 +560,9 @@ def nf4_matvec(
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
     biases = _biases_or_none(biases, len(weights))
-    if not any(isinstance(w, NF4Weight) for w in weights):
+    if rows.shape[0] == 0:
+        out = rows.new_empty(0, sum(w.shape[0] for w in weights))
+    elif not any(isinstance(w, NF4Weight) for w in weights):
         out = _plain_matvec(rows, weights, biases)
     elif use_triton(x):
         out = _nf4_matvec_triton(rows, weights, biases)

@@ -114,6 +114,12 @@ def test_leading_dims_and_missing_biases():
     _assert_close(y.reshape(6, -1), expected, x.dtype)
 
 
+def test_no_rows():
+    in_features, weights, biases = _group("rows_whole_blocks", double_quant=True)
+    y = nf4_matvec(torch.zeros(2, 0, in_features), weights, biases)
+    assert y.shape == (2, 0, sum(w.shape[0] for w in weights))
+
+
 @pytest.mark.parametrize("name", sorted(GROUPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reference_is_matmul_with_dequantized_weights(name, dtype, reference_ops):
