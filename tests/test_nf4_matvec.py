@@ -105,13 +105,15 @@ def test_default_split_bounds_program_length_and_partial_sums():
     assert _split_k(batched, [torch.zeros(16, 1024)], 1, cpu)[0] == 1024 // (32 * 16)
 
 
-def test_leading_dims_and_missing_biases():
+@pytest.mark.parametrize("leading", [(2, 3), (2, 35)], ids=["6_rows", "70_rows_two_m_tiles"])
+def test_leading_dims_and_missing_biases(leading):
     in_features, weights, _ = _group("rows_whole_blocks", double_quant=True)
-    x = _x(6, in_features, torch.float32).reshape(2, 3, in_features)
+    rows = leading[0] * leading[1]
+    x = _x(rows, in_features, torch.float32).reshape(*leading, in_features)
     y = nf4_matvec(x, weights)
-    assert y.shape == (2, 3, sum(w.shape[0] for w in weights))
-    expected = nf4_matvec_reference(x.reshape(6, in_features), weights, None)
-    _assert_close(y.reshape(6, -1), expected, x.dtype)
+    assert y.shape == (*leading, sum(w.shape[0] for w in weights))
+    expected = nf4_matvec_reference(x.reshape(rows, in_features), weights, None)
+    _assert_close(y.reshape(rows, -1), expected, x.dtype)
 
 
 def test_no_rows():
