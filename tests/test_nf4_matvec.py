@@ -214,6 +214,22 @@ def test_triton_qwen_7b_shapes(group, rows):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(GROUPS))
+def test_triton_small_groups_on_cuda(name, dtype):
+    """The interpreter cases compiled for the GPU (its bf16 tl.dot included), every K split."""
+    for double_quant in (True, False):
+        in_features, weights, biases = _group(name, double_quant, device="cuda")
+        for rows in (1, 5, 20, 70):
+            x = _x(rows, in_features, dtype, device="cuda")
+            expected = nf4_matvec_reference(x, weights, biases)
+            _assert_close(nf4_matvec(x, weights, biases), expected, dtype)
+            for splits in (1, 2, 3):
+                config = replace(default_config(rows), block_n=16, block_k=64, split_k=splits)
+                _assert_close(_nf4_matvec_triton(x, weights, biases, config), expected, dtype)
+
+
+@gpu
 def test_cuda_graph_replay_matches_eager():
     """The decoder may capture a step as a CUDA graph: the kernel (and its split-K sum) replays."""
     in_features, weights, biases = _group("rows_whole_blocks", double_quant=True, device="cuda")
