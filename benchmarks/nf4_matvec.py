@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
@@ -80,27 +80,32 @@ def _bnb_runner(dense: list[torch.Tensor], biases, x: torch.Tensor):
 
 
 def _sweep_configs(rows: int) -> list[MatvecConfig]:
+    """Tiles x warps x (programs per SM, longest program) that choose the K split."""
     if rows == 1:
-        grid = itertools.product([8, 16, 32, 64], [128, 256, 512], [4, 8])
-        return [MatvecConfig(1, n, k, warps) for n, k, warps in grid]
-    block_m = default_config(rows).block_m
-    grid = itertools.product([32, 64, 128], [64, 128, 256], [4, 8])
-    return [MatvecConfig(block_m, n, k, warps) for n, k, warps in grid]
+        block_m, tiles = 1, itertools.product([16, 32, 64], [128, 256, 512], [4, 8])
+    else:
+        block_m, tiles = (
+            default_config(rows).block_m,
+            itertools.product([32, 64, 128], [64, 128, 256], [4, 8]),
+        )
+    splits = list(itertools.product([2, 4, 8], [2, 4, 8, 16]))
+    return [
+        MatvecConfig(block_m, n, k, warps, programs_per_sm=programs, k_tiles_per_program=length)
+        for (n, k, warps), (programs, length) in itertools.product(tiles, splits)
+    ]
 
 
 def _sweep(x, weights, biases) -> dict:
-    """Fastest tile sizes for this shape, with the default split and with one split per N tile."""
+    """Fastest configuration for this shape over _sweep_configs."""
     best = None
-    for config in _sweep_configs(x.shape[0]):
-        for split in (None, 1):
-            candidate = replace(config, split_k=split)
-            try:
-                timing = _replay(lambda c=candidate: _nf4_matvec_triton(x, weights, biases, c))
-            except Exception as error:  # a tile the compiler rejects (registers, shared memory)
-                print(f"    {candidate}: {type(error).__name__}")
-                continue
-            if best is None or timing.median_ms < best[1].median_ms:
-                best = (candidate, timing)
+    for candidate in _sweep_configs(x.shape[0]):
+        try:
+            timing = _replay(lambda c=candidate: _nf4_matvec_triton(x, weights, biases, c))
+        except Exception as error:  # a tile the compiler rejects (registers, shared memory)
+            print(f"    {candidate}: {type(error).__name__}")
+            continue
+        if best is None or timing.median_ms < best[1].median_ms:
+            best = (candidate, timing)
     config, timing = best
     return {"config": asdict(config), "median_ms": timing.median_ms}
 

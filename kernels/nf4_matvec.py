@@ -3,13 +3,16 @@
     y = concat_p( x @ dequant(W_p)^T + bias_p )        x: [M, K], M a decode batch (1..64)
 
 At decode a step multiplies a handful of rows by every weight once, so the time is the time to
-read the weights. Dequantizing a whole matrix first (kernels.nf4) writes and re-reads it at
-bf16, five times the NF4 bytes; the Triton kernel here instead decodes the 4-bit codes and
+read the weights. Dequantizing a whole matrix first (kernels.nf4) also writes it at bf16 and
+reads it back, nine times the bytes of the codes alone; the Triton kernel here decodes the codes and
 their block absmaxes (double-quantized or plain fp32) in registers, tile by tile, and multiplies
 them straight into fp32 accumulators, reading each weight byte once for all M rows.
 
-Numerics match `x @ dequantize_nf4(W).T`: each weight value is code * absmax in fp32, rounded to
-x.dtype, and products are summed in fp32; the result is cast to x.dtype once, after the bias.
+Numerics: each weight value is code * absmax in fp32, products are summed in fp32 and the result
+is cast to x.dtype once, after the bias. The reference, and the kernel for more than one row
+(tensor cores), round the weight to x.dtype first, as `x @ dequantize_nf4(W).T` does; at batch 1
+the kernel keeps it in fp32 (fewer instructions, and no less accurate), so there a bf16 result
+can differ from the reference by the weights' bf16 rounding.
 
 Each program owns a tile of output features (N) for all M rows and walks its share of K; when
 the N tiles alone would leave the GPU idle (k/v at batch 1, or o/down whose N is small), K is
@@ -70,6 +73,34 @@ def nf4_matvec_reference(
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _block_absmax(
+        absmax_ptr,
+        nested_ptr,
+        dynamic_map_ptr,
+        offset,
+        blocks,
+        mask,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+    ):
+        """fp32 absmax of quantization blocks `blocks`: dynamic_map[code] * nested + offset, or as stored."""
+        if DOUBLE_QUANT:
+            code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
+            nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+            return tl.load(dynamic_map_ptr + code) * nested + offset
+        else:
+            return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+
+    @triton.jit
+    def _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks,
+        and which of them lie in the matrix before column k_end."""
+        block_in_tile = tl.arange(0, BLOCK_K // BLOCKSIZE)
+        blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
+        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < k_end)[None, :]
+        return blocks, mask
+
+    @triton.jit
     def _nf4_tile(
         packed_ptr,
         absmax_ptr,
@@ -95,37 +126,91 @@ if TRITON_AVAILABLE:
         its own byte, nibble and block from its flat index (any K, odd ones included).
         """
         if ALIGNED:
-            BLOCKS: tl.constexpr = BLOCK_K // BLOCKSIZE
-            HALF: tl.constexpr = BLOCKSIZE // 2
-            block_in_tile = tl.arange(0, BLOCKS)
-            blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
-            block_mask = row_mask[:, None] & (k_start + block_in_tile[None, :] * BLOCKSIZE < K)
-            if DOUBLE_QUANT:
-                absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
-                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
-                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-            else:
-                absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
-            byte_offsets = blocks[:, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
-            packed = tl.load(packed_ptr + byte_offsets, mask=block_mask[:, :, None], other=0).to(tl.int32)
+            blocks, mask = _tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
+            absmax = _block_absmax(
+                absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
+            )
+            byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+            packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
             high = tl.load(code_ptr + (packed >> 4))
             low = tl.load(code_ptr + (packed & 0xF))
             values = tl.interleave(high, low) * absmax[:, :, None]
-            return tl.where(block_mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
+            return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
         else:
             ks = k_start + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < K)[None, :]
             flat = rows[:, None] * K + ks[None, :]
             packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
             codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
-            blocks = flat // BLOCKSIZE
-            if DOUBLE_QUANT:
-                absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
-                nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-                absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-            else:
-                absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+            absmax = _block_absmax(
+                absmax_ptr,
+                nested_ptr,
+                dynamic_map_ptr,
+                offset,
+                flat // BLOCKSIZE,
+                mask,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+            )
             return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
+
+    @triton.jit
+    def _fetch_blocks(
+        packed_ptr,
+        absmax_ptr,
+        nested_ptr,
+        x_row_ptr,
+        rows,
+        k_start,
+        k_end,
+        row_mask,
+        K,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The raw bytes of a tile of whole blocks and of its x slice, nothing computed from them:
+        issued a step ahead of their use, they are in flight while the previous tile computes."""
+        blocks, mask = _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE, BLOCK_K)
+        byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0)
+        if DOUBLE_QUANT:
+            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0)
+            nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+        else:
+            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+            nested = absmax
+        ks = k_start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row_ptr + ks, mask=ks < k_end, other=0.0)
+        return packed, absmax, nested, x
+
+    @triton.jit
+    def _blocks_dot_x(
+        packed,
+        absmax,
+        nested,
+        x,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One x row against a fetched tile of whole blocks: [rows, blocks] of absmax * sum(code * x).
+
+        The absmax multiplies once per block instead of once per value, and the codes meet x's
+        even and odd values straight from the nibbles, unshuffled: per value one nibble, one
+        table read and one fma, which keeps batch 1 bound by memory, not by instructions.
+        """
+        if DOUBLE_QUANT:
+            absmax = tl.load(dynamic_map_ptr + absmax.to(tl.int32)) * nested + offset
+        packed = packed.to(tl.int32)
+        x_high, x_low = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2, 2)))
+        high = tl.load(code_ptr + (packed >> 4)) * x_high[None, :, :]
+        sums = tl.sum(high + tl.load(code_ptr + (packed & 0xF)) * x_low[None, :, :], axis=2)
+        return sums * absmax
 
     @triton.jit
     def _nf4_matvec_kernel(
@@ -159,9 +244,10 @@ if TRITON_AVAILABLE:
     ):
         """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
 
-        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 keeps a [BLOCK_N, BLOCK_K] fp32
-        accumulator of products and sums it once at the end; larger BLOCK_M uses tl.dot, on fp32
-        operands (exact IEEE products) for fp32 x and in the interpreter, whose bf16 dot is wrong.
+        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 sums in fp32 lanes with the weights in
+        fp32 (per block with whole blocks, `_blocks_dot_x`, else per row). Larger BLOCK_M
+        rounds the weights to x's dtype and uses tl.dot, on fp32 operands (exact IEEE products)
+        for fp32 x and in the interpreter, whose bf16 dot is wrong.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -171,55 +257,110 @@ if TRITON_AVAILABLE:
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = ms < M
         k_begin = pid_k * k_per_split
-        if BLOCK_M == 1:
-            products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        BLOCK_SUMS: tl.constexpr = BLOCK_M == 1 and ALIGNED and not PLAIN
+        if BLOCK_SUMS:
+            sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
+        elif BLOCK_M == 1:
+            row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k_start in range(k_begin, k_begin + k_per_split, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            if PLAIN:
-                w_offsets = rows[:, None] * weight_row_stride + ks[None, :]
-                w_mask = row_mask[:, None] & k_mask[None, :]
-                weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
-            else:
-                weights = _nf4_tile(
+        if BLOCK_SUMS:
+            # The next tile's bytes are fetched before this one computes (a software pipeline by
+            # hand: Triton pipelines only loops with tl.dot by itself, and for this one it would
+            # also stage the code-table reads through shared memory).
+            x_row_ptr = x_ptr + pid_m * x_row_stride
+            fetched = _fetch_blocks(
+                weight_ptr,
+                absmax_ptr,
+                nested_ptr,
+                x_row_ptr,
+                rows,
+                k_begin,
+                k_end,
+                row_mask,
+                K,
+                BLOCKSIZE,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+                BLOCK_K,
+            )
+        for k_start in range(k_begin, k_end, BLOCK_K):
+            if BLOCK_SUMS:
+                packed, absmax, nested, x = fetched
+                fetched = _fetch_blocks(
                     weight_ptr,
                     absmax_ptr,
                     nested_ptr,
-                    code_ptr,
-                    dynamic_map_ptr,
-                    offset,
+                    x_row_ptr,
                     rows,
-                    k_start,
+                    k_start + BLOCK_K,
+                    k_end,
                     row_mask,
                     K,
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
                     DOUBLE_QUANT,
-                    ALIGNED,
-                    BLOCK_N,
                     BLOCK_K,
                 )
-            # Rounded to x's dtype first, as a dequantized weight would be.
-            weights = weights.to(x_ptr.dtype.element_ty)
-            x_offsets = ms[:, None] * x_row_stride + ks[None, :]
-            x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if BLOCK_M == 1:
-                products += weights.to(tl.float32) * x.to(tl.float32)
-            elif DOT_IN_FP32:
-                acc = tl.dot(weights.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                sums += _blocks_dot_x(
+                    packed,
+                    absmax,
+                    nested,
+                    x,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    BLOCK_K,
+                )
             else:
-                acc = tl.dot(weights, tl.trans(x), acc)
-        if BLOCK_M == 1:
-            acc = tl.sum(products, axis=1)[:, None]
+                ks = k_start + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                if PLAIN:
+                    w_offsets = rows[:, None] * weight_row_stride + ks[None, :]
+                    w_mask = row_mask[:, None] & k_mask[None, :]
+                    weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+                else:
+                    weights = _nf4_tile(
+                        weight_ptr,
+                        absmax_ptr,
+                        nested_ptr,
+                        code_ptr,
+                        dynamic_map_ptr,
+                        offset,
+                        rows,
+                        k_start,
+                        row_mask,
+                        K,
+                        BLOCKSIZE,
+                        NESTED_BLOCKSIZE,
+                        DOUBLE_QUANT,
+                        ALIGNED,
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+                x_offsets = ms[:, None] * x_row_stride + ks[None, :]
+                x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if BLOCK_M == 1:
+                    row_sums += tl.sum(weights * x.to(tl.float32), axis=1)
+                elif DOT_IN_FP32:
+                    # Rounded to x's dtype first, as a dequantized weight would be.
+                    weights = weights.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    acc = tl.dot(weights, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(weights.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+        if BLOCK_SUMS:
+            acc = tl.sum(sums, axis=1)[:, None]
+        elif BLOCK_M == 1:
+            acc = row_sums[:, None]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
             acc += (bias * (pid_k == 0).to(tl.float32))[:, None]
         out_offsets = pid_k * out_split_stride + ms[None, :] * out_row_stride + rows[:, None]
-        tl.store(
-            out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & m_mask[None, :]
-        )
+        out_mask = row_mask[:, None] & m_mask[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -237,23 +378,31 @@ if TRITON_AVAILABLE:
 
 @dataclass(frozen=True)
 class MatvecConfig:
-    """Tile sizes of one call; `split_k` None picks the split that fills the GPU."""
+    """Tile sizes of one call. `split_k` None splits K so that no program walks more than
+    `k_tiles_per_program` tiles and the narrowest weight still gets `programs_per_sm` programs."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 4
+    k_tiles_per_program: int = 4
     split_k: int | None = None
 
 
 def default_config(rows: int) -> MatvecConfig:
-    """Batch 1: thin N tiles of wide K (fp32 lanes, no tensor cores). More rows: tl.dot on M
-    padded to 16, with N tiles wide enough that re-reading x per tile stays small next to W."""
+    """Batch 1: N tiles of 32 rows by 256 values (4 KB of codes a step, fp32 lanes, no tensor
+    cores). More rows: tl.dot on M padded to 16, 64-row N tiles, so that re-reading x (from L2)
+    for every N tile costs no more than the tile's own codes at 16 rows.
+
+    K is split so that programs walk a few tiles each (with the next tile's bytes fetched while
+    one computes) rather than one long program per N tile: bytes in flight come from programs in
+    flight, and many shorter programs also leave a smaller last wave."""
     if rows == 1:
-        return MatvecConfig(block_m=1, block_n=16, block_k=256)
+        return MatvecConfig(block_m=1, block_n=32, block_k=256, k_tiles_per_program=8)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return MatvecConfig(block_m=block_m, block_n=64, block_k=128)
+    return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2, k_tiles_per_program=8)
 
 
 @cache
@@ -264,19 +413,27 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_PROGRAMS_PER_SM = 2
+# Split partial sums (fp32, written and read back once) may cost at most half the bytes of the
+# NF4 codes: splits * rows * N * 8 <= N * K / 4.
+_PARTIAL_K_PER_ROW = 32
 _SUM_BLOCK = 1024
 
 
 def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int, device) -> tuple[int, int]:
-    """(splits, K per split): enough programs for the group's widest weight to fill the GPU."""
+    """(splits, K per split), one split for the whole group (one sum kernel after it): programs of
+    at most k_tiles_per_program tiles, and enough of them for the group's narrowest weight to fill
+    the GPU (k/v, whose launches are otherwise a few dozen programs), within _PARTIAL_K_PER_ROW."""
     k = weights[0].shape[1]
     k_tiles = triton.cdiv(k, config.block_k)
     if config.split_k is not None:
         wanted = config.split_k
     else:
-        n_tiles = triton.cdiv(max(w.shape[0] for w in weights), config.block_n) * m_tiles
-        wanted = triton.cdiv(_PROGRAMS_PER_SM * _multiprocessors(device), n_tiles)
+        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * m_tiles
+        wanted = max(
+            triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles),
+            triton.cdiv(k_tiles, config.k_tiles_per_program),
+        )
+        wanted = min(wanted, max(1, k // (_PARTIAL_K_PER_ROW * m_tiles * config.block_m)))
     tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
 
@@ -366,6 +523,17 @@ def _nf4_matvec_triton(
 # ----------------------------------------------------------------------------- public
 
 
+def _plain_matvec(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """Plain weights in x.dtype through torch (fp32 accumulation inside the matmul)."""
+    outputs = [
+        torch.nn.functional.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+        for w, b in zip(weights, biases, strict=True)
+    ]
+    return torch.cat(outputs, dim=-1)
+
+
 def _check_arguments(x: torch.Tensor, weights: Sequence[FrozenWeight], biases) -> None:
     if not weights:
         raise ValueError("nf4_matvec needs at least one weight")
@@ -384,11 +552,19 @@ def nf4_matvec(
     weights: Sequence[FrozenWeight],
     biases: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype."""
+    """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype.
+
+    A group with no NF4 weight (quantization off) goes to torch's matmul (cuBLAS GEMV), which
+    reads plain weights as fast as this kernel could.
+    """
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
     biases = _biases_or_none(biases, len(weights))
-    if use_triton(x):
+    if rows.shape[0] == 0:
+        out = rows.new_empty(0, sum(w.shape[0] for w in weights))
+    elif not any(isinstance(w, NF4Weight) for w in weights):
+        out = _plain_matvec(rows, weights, biases)
+    elif use_triton(x):
         out = _nf4_matvec_triton(rows, weights, biases)
     else:
         out = nf4_matvec_reference(rows, weights, biases)

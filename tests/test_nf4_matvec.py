@@ -72,36 +72,54 @@ def test_triton_matches_reference(name, rows, double_quant, dtype):
     _assert_close(nf4_matvec(x, weights, biases), expected, dtype)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
+# Splits asked for -> splits run, by group: K = 320 is 5 tiles of 64, K = 200 is 4 (the last one
+# short); splits take whole tiles, as many per split as the first ones need.
+SPLITS_RUN = {"rows_whole_blocks": {1: 1, 2: 2, 3: 3, 4: 3}, "rows_straddle_blocks": {1: 1, 2: 2, 3: 2, 4: 4}}
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("name", ["rows_whole_blocks", "rows_straddle_blocks"])
-def test_split_k_sums_partials(name, rows, splits):
-    """Small K tiles force several K splits (and a K tail in the last one)."""
+@pytest.mark.parametrize("name", sorted(SPLITS_RUN))
+def test_k_splits(name, rows, splits):
+    """Small K tiles: one program walks several tiles (its next tile fetched ahead), several
+    programs split K and their partial sums add up; the last split ends in a K tail."""
     in_features, weights, biases = _group(name, double_quant=True)
     x = _x(rows, in_features, torch.float32)
     config = replace(default_config(rows), block_n=16, block_k=64, split_k=splits)
-    assert _split_k(config, weights, 1, x.device)[0] > 1
+    assert _split_k(config, weights, 1, x.device)[0] == SPLITS_RUN[name][splits]
     _assert_close(
         _nf4_matvec_triton(x, weights, biases, config), nf4_matvec_reference(x, weights, biases), x.dtype
     )
 
 
-def test_default_split_fills_programs_for_narrow_weights():
-    """A weight with few N tiles gets K splits; one with many does not."""
-    config = MatvecConfig(block_m=1, block_n=16, block_k=64)
-    narrow = [torch.zeros(16, 1024)]
-    wide = [torch.zeros(16 * 64, 1024)]
-    assert _split_k(config, narrow, 1, torch.device("cpu"))[0] > 1
-    assert _split_k(config, wide, 1, torch.device("cpu"))[0] == 1
+def test_default_split_bounds_program_length_and_partial_sums():
+    """Narrow weights get more K splits (enough programs), wide ones only enough to keep each
+    program to k_tiles_per_program tiles; partial sums stay within half the codes' bytes."""
+    cpu = torch.device("cpu")
+    config = MatvecConfig(block_m=1, block_n=16, block_k=64, programs_per_sm=4, k_tiles_per_program=4)
+    narrow = _split_k(config, [torch.zeros(16, 1024)], 1, cpu)
+    wide = _split_k(config, [torch.zeros(16 * 64, 1024)], 1, cpu)
+    assert narrow[0] > wide[0]
+    assert wide == (4, 256)
+    batched = replace(config, block_m=16)
+    assert _split_k(batched, [torch.zeros(16, 1024)], 1, cpu)[0] == 1024 // (32 * 16)
 
 
-def test_leading_dims_and_missing_biases():
+@pytest.mark.parametrize("leading", [(2, 3), (2, 35)], ids=["6_rows", "70_rows_two_m_tiles"])
+def test_leading_dims_and_missing_biases(leading):
     in_features, weights, _ = _group("rows_whole_blocks", double_quant=True)
-    x = _x(6, in_features, torch.float32).reshape(2, 3, in_features)
+    rows = leading[0] * leading[1]
+    x = _x(rows, in_features, torch.float32).reshape(*leading, in_features)
     y = nf4_matvec(x, weights)
-    assert y.shape == (2, 3, sum(w.shape[0] for w in weights))
-    expected = nf4_matvec_reference(x.reshape(6, in_features), weights, None)
-    _assert_close(y.reshape(6, -1), expected, x.dtype)
+    assert y.shape == (*leading, sum(w.shape[0] for w in weights))
+    expected = nf4_matvec_reference(x.reshape(rows, in_features), weights, None)
+    _assert_close(y.reshape(rows, -1), expected, x.dtype)
+
+
+def test_no_rows():
+    in_features, weights, biases = _group("rows_whole_blocks", double_quant=True)
+    y = nf4_matvec(torch.zeros(2, 0, in_features), weights, biases)
+    assert y.shape == (2, 0, sum(w.shape[0] for w in weights))
 
 
 @pytest.mark.parametrize("name", sorted(GROUPS))
@@ -120,6 +138,19 @@ def test_reference_is_matmul_with_dequantized_weights(name, dtype, reference_ops
         torch.testing.assert_close(y[:, column : column + out_features].float(), expected.to(dtype).float())
         column += out_features
     assert column == y.shape[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plain_group_goes_to_torch(dtype):
+    """No NF4 weight in the group (quantization off): torch's matmul, still the reference's numbers."""
+    generator = torch.Generator().manual_seed(3)
+    weights = [
+        torch.randn(24, 40, generator=generator).to(dtype),
+        torch.randn(8, 40, generator=generator).to(dtype),
+    ]
+    biases = [None, torch.randn(8, generator=generator).to(dtype)]
+    x = _x(3, 40, dtype)
+    _assert_close(nf4_matvec(x, weights, biases), nf4_matvec_reference(x, weights, biases), dtype)
 
 
 def test_cpu_path_runs_reference(reference_ops):
@@ -180,6 +211,22 @@ def test_triton_qwen_7b_shapes(group, rows):
         ]
     )
     torch.testing.assert_close(y, (x @ dense.T + bias).bfloat16(), atol=3e-2, rtol=3e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(GROUPS))
+def test_triton_small_groups_on_cuda(name, dtype):
+    """The interpreter cases compiled for the GPU (its bf16 tl.dot included), every K split."""
+    for double_quant in (True, False):
+        in_features, weights, biases = _group(name, double_quant, device="cuda")
+        for rows in (1, 5, 20, 70):
+            x = _x(rows, in_features, dtype, device="cuda")
+            expected = nf4_matvec_reference(x, weights, biases)
+            _assert_close(nf4_matvec(x, weights, biases), expected, dtype)
+            for splits in (1, 2, 3):
+                config = replace(default_config(rows), block_n=16, block_k=64, split_k=splits)
+                _assert_close(_nf4_matvec_triton(x, weights, biases, config), expected, dtype)
 
 
 @gpu
