@@ -2,7 +2,7 @@
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
-       [--offload auto|true|false] [--memory-cap-gb 80] [--json FILE]
+       [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--json FILE]
 
 Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
 writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
@@ -12,6 +12,7 @@ base, `use_gradient_checkpointing="unsloth"`, which offloads each layer's input 
 Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is captured) and
 reserved, MFU and the ratios against HF+PEFT+bnb and Unsloth. `--memory-cap-gb` caps every runner's
 GPU memory (torch.cuda.set_per_process_memory_fraction), to show what trains inside a smaller GPU.
+`--lora-dropout` gives qlora's runners LoRA dropout (a new mask seed each step), to time what it costs.
 Each step is timed on its own (CUDA events, qlora_cli/profiler/timing.py); tokens/s comes from the
 median step, and --json keeps the fastest step too.
 """
@@ -72,7 +73,7 @@ def run_qlora(args, graphs: bool) -> dict:
     start = time.perf_counter()
     model = QLoRAModel.from_pretrained(
         args.checkpoint,
-        lora=LoRAConfig(r=16, alpha=32),
+        lora=LoRAConfig(r=16, alpha=32, dropout=args.lora_dropout),
         device=args.device,
         checkpoint_layers=recompute,
         offload_activations=offload,
@@ -84,7 +85,10 @@ def run_qlora(args, graphs: bool) -> dict:
     count = labels.numel()
     graphed = GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size) if graphs else None
 
+    steps = iter(range(1 << 62))
+
     def step():
+        model.set_dropout_seed(next(steps))
         loss_sum = micro_batch_backward(model.loss, (ids, labels), 1 / count, graphed)
         optimizer.step()
         clear_gradients(optimizer, graphed)
@@ -226,6 +230,7 @@ def main() -> None:
     )
     parser.add_argument("--memory-cap-gb", type=float, default=None, help="cap each runner's GPU memory")
     parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="qlora runners' LoRA dropout")
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args()

@@ -321,6 +321,7 @@ def main() -> None:
     args = parser.parse_args()
     args.config = args.config.resolve()
     args.workdir = args.workdir.resolve()
+    args.checkpoint = args.checkpoint.resolve() if args.checkpoint else None
     checkpoint, data = _inputs(args)
     if args.worker:
         print("RESULT " + json.dumps(run_unsloth(args, checkpoint)), flush=True)

@@ -71,12 +71,44 @@ def attention_sdpa(q, k, v, doc_ids=None, scale=None):
 
 
 @functools.cache
-def _flex_functions(compiled: bool):
-    """flex_attention (compiled once per process for CUDA: uncompiled it materializes the scores) and
-    the block-mask builder; imported on first use, so this module loads where flex is missing."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_attention(compiled: bool):
+    """flex_attention, compiled once per process for CUDA (uncompiled it materializes the scores);
+    imported on first use, so this module loads where flex attention is missing."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    return (torch.compile(flex_attention, dynamic=False) if compiled else flex_attention), create_block_mask
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+FLEX_BLOCK = 128
+
+
+def document_block_mask(
+    doc_ids: torch.Tensor | None, batch: int, seq_len: int, device, block: int = FLEX_BLOCK
+):
+    """FlexAttention's BlockMask for causal attention within documents, built from the document
+    starts with tensor ops alone (no mask evaluation over S x S, no host sync, so a CUDA graph can
+    capture it). Query block m reads the key blocks from its first query's document start up to m;
+    documents are contiguous, so that first query's start is the earliest in the block."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_blocks = -(-seq_len // block)
+    blocks = torch.arange(n_blocks, device=device, dtype=torch.int32)
+    if doc_ids is None:
+        first = torch.zeros(batch, n_blocks, device=device, dtype=torch.int32)
+
+        def allowed(b, h, q, kv):
+            return q >= kv
+    else:
+        first = _document_bounds(doc_ids)[0][:, ::block] // block
+
+        def allowed(b, h, q, kv):
+            return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    count = (blocks - first + 1).to(torch.int32)
+    indices = torch.where(blocks < count[..., None], first[..., None] + blocks, 0).to(torch.int32)
+    return BlockMask.from_kv_blocks(
+        count[:, None], indices[:, None], BLOCK_SIZE=block, mask_mod=allowed, seq_lengths=(seq_len, seq_len)
+    )
 
 
 class _BlockMaskCache:
@@ -91,29 +123,16 @@ class _BlockMaskCache:
     @classmethod
     def get(cls, doc_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device):
         key = (batch, seq_len, device, None if doc_ids is None else doc_ids._version)
-        if key == cls.key and doc_ids is cls.doc_ids:
-            return cls.mask
-        _, create_block_mask = _flex_functions(False)
-        if doc_ids is None:
-
-            def allowed(b, h, q, kv):
-                return q >= kv
-        else:
-
-            def allowed(b, h, q, kv):
-                return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
-
-        cls.mask = create_block_mask(
-            allowed, batch, None, seq_len, seq_len, device=device, _compile=device.type == "cuda"
-        )
-        cls.key, cls.doc_ids = key, doc_ids
+        if key != cls.key or doc_ids is not cls.doc_ids:
+            cls.mask = document_block_mask(doc_ids, batch, seq_len, device)
+            cls.key, cls.doc_ids = key, doc_ids
         return cls.mask
 
 
 def attention_flex(q, k, v, doc_ids=None, scale=None):
     """torch's FlexAttention with a causal document mask; its kernel skips the key blocks the mask
     empties, as ours does. Training needs CUDA: its CPU kernel has no backward (torch 2.13)."""
-    flex_attention, _ = _flex_functions(q.is_cuda)
+    flex_attention = _flex_attention(q.is_cuda)
     mask = _BlockMaskCache.get(doc_ids, q.shape[0], q.shape[1], q.device)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     group = q.shape[2] // k.shape[2]

@@ -32,7 +32,8 @@ def slice_tokens(tokens: int, intermediate_size: int, element_bytes: int = 2) ->
 
 
 class SlicedMLP(torch.autograd.Function):
-    """`mlp` applied to `slice_tokens` tokens at a time; see the module docstring."""
+    """`mlp(part, start)` applied to `slice_tokens` tokens at a time; see the module docstring. `start`
+    is the slice's first token in the row, so LoRA dropout draws the whole MLP's mask for it."""
 
     @staticmethod
     def forward(

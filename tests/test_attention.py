@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from qlora_kernels.attention import attention, attention_flex, attention_reference
+from qlora_kernels.attention import (
+    _allowed_mask,
+    attention,
+    attention_flex,
+    attention_reference,
+    document_block_mask,
+)
 
 
 def _packed_doc_ids(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -131,6 +137,22 @@ def test_flex_block_mask_follows_the_doc_ids_it_is_given():
     torch.testing.assert_close(
         attention_flex(q, k, v, first), attention_reference(q, k, v, first), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.parametrize("seq_len", [64, 70])
+def test_flex_block_mask_lists_exactly_the_blocks_with_allowed_pairs(with_docs, seq_len):
+    """The key blocks each query block reads are those holding at least one pair the document mask
+    allows: none missing (a wrong output), none extra (work a skip should save)."""
+    doc_ids = _packed_doc_ids(2, seq_len, torch.Generator().manual_seed(6)) if with_docs else None
+    block = 8
+    mask = document_block_mask(doc_ids, 2, seq_len, torch.device("cpu"), block=block)
+    allowed = _allowed_mask(seq_len, doc_ids, torch.device("cpu"))[:, 0].expand(2, seq_len, seq_len)
+    padded = -(-seq_len // block) * block
+    grid = torch.zeros(2, padded, padded, dtype=torch.bool)
+    grid[:, :seq_len, :seq_len] = allowed
+    needed = grid.unflatten(1, (-1, block)).unflatten(3, (-1, block)).any(dim=4).any(dim=2)
+    assert torch.equal(mask.to_dense()[:, 0].bool(), needed)
 
 
 def test_flex_backend_takes_the_reference_on_the_cpu():
