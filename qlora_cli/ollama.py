@@ -13,7 +13,13 @@ from qlora_cli.tokenizer import ChatTokenizer
 
 START, END = "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
-    "{{- range .Messages }}" + START + "{{ .Role }}\n{{ .Content }}" + END + "\n{{ end }}" + START + "assistant\n"
+    "{{- range .Messages }}"
+    + START
+    + "{{ .Role }}\n{{ .Content }}"
+    + END
+    + "\n{{ end }}"
+    + START
+    + "assistant\n"
 )
 _PROBE = [
     {"role": "user", "content": "What is 2+2?"},
@@ -38,7 +44,9 @@ def _render(tokenizer: ChatTokenizer, messages: list[dict]) -> str | None:
 
 def chatml_system(tokenizer: ChatTokenizer) -> tuple[bool, str | None]:
     """(whether the template is ChatML, the system prompt it adds when a chat has none)."""
-    if tokenizer.chat_template is None or _render(tokenizer, [_SYSTEM, *_PROBE]) != chatml([_SYSTEM, *_PROBE]):
+    if tokenizer.chat_template is None or _render(tokenizer, [_SYSTEM, *_PROBE]) != chatml(
+        [_SYSTEM, *_PROBE]
+    ):
         return False, None
     plain = _render(tokenizer, _PROBE)
     if plain == chatml(_PROBE):
