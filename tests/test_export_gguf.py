@@ -371,3 +371,21 @@ def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
     embedding = VOCAB * 64 * 2
     assert sizes == sorted(sizes) and sizes[-1] - sizes[0] > embedding
     assert (out / "model-bf16.gguf").stat().st_size > sizes[-1]
+
+
+def test_a_template_that_is_not_chatml_gets_no_ollama_template():
+    from qlora_cli.ollama import modelfile
+
+    base = ChatTokenizer.from_folder(REPO_ROOT / "configs" / "demo" / "tiny-qwen3")
+    other = base.with_chat_template(
+        "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}### assistant:", "test"
+    )
+    text = modelfile("model-f16.gguf", other)
+    assert "TEMPLATE" not in text and "SYSTEM" not in text and text.startswith("# The chat template")
+    assert "FROM ./model-f16.gguf\n" in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert "TEMPLATE" in modelfile("model-f16.gguf", base)
+
+
+def test_cli_help_names_the_gguf_options(run_cli):
+    code, out, _ = run_cli("export", "--help")
+    assert code == 0 and "--gguf-type" in out and "bf16" in out and "q8_0" in out
