@@ -371,25 +371,15 @@ def _check_out(out: Path, force: bool, keep: list[Path]) -> None:
             )
 
 
-def export(
-    source: Path,
-    out: Path,
-    *,
-    merged: bool = False,
-    base: str | None = None,
-    dtype: str | None = None,
-    max_shard_size: str | None = None,
-    gguf: bool = False,
-    gguf_type: str | None = None,
-    force: bool = False,
-) -> ExportResult:
-    """Write the adapter of a checkpoint (or of an output_dir's newest checkpoint) to `out`.
-
-    Without `merged`: a PEFT adapter folder. With it: the base model with the adapter merged in, onto the
-    original weights (`base="original"`) or onto the NF4 round trip the adapter trained against
-    (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`. With `gguf` instead: the
-    same merged weights as one GGUF file of `gguf_type`, with an Ollama Modelfile.
-    """
+def _check_options(
+    merged: bool,
+    gguf: bool,
+    base: str | None,
+    dtype: str | None,
+    max_shard_size: str | None,
+    gguf_type: str | None,
+) -> tuple[str | None, str | None, str | None, int | None]:
+    """The options of one kind of export, defaults filled in: (base, dtype, gguf_type, shard bytes)."""
     if gguf and merged:
         raise QLoraError("--gguf writes a merged model in GGUF; give either --merged or --gguf")
     if gguf_type is not None and not gguf:
@@ -409,7 +399,30 @@ def export(
         dtype = dtype or DEFAULT_DTYPE
         if dtype not in DTYPES:
             raise QLoraError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-        max_bytes = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+        return base, dtype, None, parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    return base, None, gguf_type, None
+
+
+def export(
+    source: Path,
+    out: Path,
+    *,
+    merged: bool = False,
+    base: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    gguf: bool = False,
+    gguf_type: str | None = None,
+    force: bool = False,
+) -> ExportResult:
+    """Write the adapter of a checkpoint (or of an output_dir's newest checkpoint) to `out`.
+
+    Without `merged`: a PEFT adapter folder. With it: the base model with the adapter merged in, onto the
+    original weights (`base="original"`) or onto the NF4 round trip the adapter trained against
+    (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`. With `gguf` instead: the
+    same merged weights as one GGUF file of `gguf_type`, with an Ollama Modelfile.
+    """
+    base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
     checkpoint = find_checkpoint(source)
     config = read_checkpoint_config(checkpoint)
     state = read_trainer_state(checkpoint)
