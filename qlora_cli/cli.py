@@ -190,21 +190,45 @@ def export(
             help="With --merged: largest shard file, e.g. 5GB (default), 500MB or 2GiB.", show_default=False
         ),
     ] = None,
+    gguf: Annotated[
+        bool,
+        typer.Option(
+            "--gguf",
+            help="Write the merged model as one GGUF file (llama.cpp, Ollama, LM Studio) with an Ollama "
+            "Modelfile; needs the gguf extra.",
+        ),
+    ] = False,
+    gguf_type: Annotated[
+        str | None,
+        typer.Option(
+            help="With --gguf: bf16 (default), f16 or q8_0 (norms and biases stay f32).", show_default=False
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace --out if it exists and is not empty.")
     ] = False,
 ) -> None:
-    """Export a checkpoint as a PEFT adapter, or with --merged as a full Hugging Face model."""
+    """Export a checkpoint as a PEFT adapter, with --merged as a full Hugging Face model, or with --gguf
+    as one GGUF file."""
     from qlora_cli.export import export as run_export
 
     result = run_export(
-        checkpoint, out, merged=merged, base=base, dtype=dtype, max_shard_size=max_shard_size, force=force
+        checkpoint,
+        out,
+        merged=merged,
+        base=base,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        gguf=gguf,
+        gguf_type=gguf_type,
+        force=force,
     )
-    what = (
-        f"merged model ({result.base} base, {result.dtype}, {result.shards} shards)"
-        if result.merged
-        else "PEFT adapter"
-    )
+    if result.gguf_file:
+        what = f"GGUF {result.gguf_file} ({result.base} base, {result.gguf_type}) with an Ollama Modelfile"
+    elif result.merged:
+        what = f"merged model ({result.base} base, {result.dtype}, {result.shards} shards)"
+    else:
+        what = "PEFT adapter"
     console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")
 
 

@@ -2,7 +2,8 @@
 
 The adapter export is what `PeftModel.from_pretrained` loads; the merged export is a plain Hugging Face
 model folder that `AutoModelForCausalLM.from_pretrained` loads, written shard by shard while the base
-weights stream past, so host memory stays near one shard however large the model is. Either way the
+weights stream past, so host memory stays near one shard however large the model is; the GGUF export is
+the same merged weights in one file for llama.cpp, Ollama and LM Studio, with an Ollama Modelfile. Either way the
 folder is built under a temporary name and renamed into place at the end: a failed export leaves nothing
 half-written behind.
 """
@@ -14,6 +15,8 @@ import json
 import os
 import re
 import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +30,15 @@ from qlora_cli.config import ALL_PROJECTIONS, TrainConfig
 from qlora_cli.errors import QLoraError, WriteFailed
 from qlora_cli.exported_tokenizer import write_tokenizer
 from qlora_cli.files import describe, save_tensors, write_json
+from qlora_cli.gguf_file import DEFAULT_GGUF_TYPE, check_gguf_type, import_gguf, write_gguf
+from qlora_cli.gguf_vocab import check_tokenizer, read_vocabulary
 from qlora_cli.hub import model_reference, resolve_model
 from qlora_cli.model import QLoRAModel
+from qlora_cli.ollama import modelfile
 from qlora_cli.rundir import usable_checkpoint
 from qlora_cli.settings import lora_config
-from qlora_cli.weights import ModelSpec, read_spec, stream_tensors
+from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.weights import ModelSpec, locate_tensors, read_spec, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -53,6 +60,8 @@ class ExportResult:
     base: str | None
     dtype: str | None
     shards: int
+    gguf_type: str | None = None
+    gguf_file: str | None = None
 
 
 def parse_size(text: str) -> int:
@@ -123,6 +132,19 @@ def merge_tensor(
         return adapter.get(PREFIX + name, tensor)
     lora_b = adapter[f"{PREFIX}{module}.lora_B.weight"]
     return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
+
+
+def merged_tensors(
+    base_folder: Path,
+    spec: ModelSpec,
+    adapter: dict[str, torch.Tensor],
+    scaling: float,
+    round_trip: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's tensors merged one at a time as they stream past; a tied lm_head is not among them
+    (stream_tensors yields only the tensors the spec names), as transformers and llama.cpp expect."""
+    for name, tensor in stream_tensors(base_folder, spec):
+        yield name, merge_tensor(name, tensor, adapter, scaling, round_trip)
 
 
 class ShardWriter:
@@ -210,11 +232,10 @@ def _write_merged(
     dtype: str,
     max_bytes: int,
 ) -> int:
-    """Stream the base, merge each tensor as it passes, write shards; a tied lm_head is left out, as
-    transformers expects (stream_tensors yields only the tensors the spec names)."""
+    """Stream the base, merge each tensor as it passes, write shards."""
     writer = ShardWriter(folder, max_bytes)
-    for name, tensor in stream_tensors(base_folder, spec):
-        writer.add(name, merge_tensor(name, tensor, adapter, scaling, round_trip).to(DTYPES[dtype]))
+    for name, tensor in merged_tensors(base_folder, spec, adapter, scaling, round_trip):
+        writer.add(name, tensor.to(DTYPES[dtype]))
     shards = writer.finish()
     write_json(folder / "config.json", _base_config(base_folder, dtype))
     if (base_folder / "generation_config.json").is_file():
@@ -222,12 +243,61 @@ def _write_merged(
     return shards
 
 
+def _bos_token_id(base_folder: Path) -> int | None:
+    value = json.loads((base_folder / "config.json").read_text(encoding="utf-8")).get("bos_token_id")
+    return value if isinstance(value, int) else None
+
+
+def _write_gguf(
+    folder: Path,
+    config: TrainConfig,
+    base_folder: Path,
+    spec: ModelSpec,
+    adapter: dict[str, torch.Tensor],
+    scaling: float,
+    round_trip: torch.dtype | None,
+    gguf_type: str,
+) -> str:
+    """The merged weights as one GGUF file, with an Ollama Modelfile beside it; returns the file's name.
+
+    The tokenizer files the other exports carry go to a scratch folder first, so that the GGUF holds the
+    run's chat template and special tokens exactly as they would; they are not left in the export.
+    """
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        write_tokenizer(config, base_folder, Path(scratch))
+        tokenizer = ChatTokenizer.from_folder(scratch)
+        vocabulary = read_vocabulary(Path(scratch), tokenizer, spec.vocab_size, _bos_token_id(base_folder))
+    name = f"model-{gguf_type}.gguf"
+    names = [tensor for tensors in locate_tensors(base_folder, spec).values() for tensor in tensors]
+    model_name = config.base_model.rstrip("/").rsplit("/", 1)[-1] + "-qlora"
+    tensors = merged_tensors(base_folder, spec, adapter, scaling, round_trip)
+    write_gguf(folder / name, spec, names, tensors, vocabulary, gguf_type, model_name)
+    (folder / "Modelfile").write_text(modelfile(name, tokenizer), encoding="utf-8")
+    return name
+
+
+def _run_section(gguf_file: str) -> str:
+    return (
+        "\n## Run it\n\n"
+        f"llama.cpp: `llama-cli -m {gguf_file} -cnv` (chat with the template the GGUF carries), or "
+        f"`llama-server -m {gguf_file}` for an OpenAI-compatible server.\n\n"
+        "Ollama: `ollama create my-model -f Modelfile`, then `ollama run my-model`.\n\n"
+        f"LM Studio: put {gguf_file} under its models folder (or `lms import {gguf_file}`).\n"
+    )
+
+
 def _last(metrics: list[dict], key: str) -> dict | None:
     return next((record for record in reversed(metrics) if key in record), None)
 
 
 def model_card(
-    config: TrainConfig, state: dict, *, merged: bool, dtype: str | None, round_trip: torch.dtype | None
+    config: TrainConfig,
+    state: dict,
+    *,
+    merged: bool,
+    dtype: str | None,
+    round_trip: torch.dtype | None,
+    gguf_file: str | None = None,
 ) -> str:
     """A short README.md: what was trained, on what, for how long, and how it was exported."""
     revision = f" at revision `{config.revision}`" if config.revision else ""
@@ -263,6 +333,10 @@ def model_card(
         rows.append(("merged onto", f"{onto}, W + scaling · B·A in fp32, saved in {dtype}"))
         kind, library = "the base model with the LoRA adapter merged in", "transformers"
         usage = "AutoModelForCausalLM.from_pretrained(this_folder)"
+        if gguf_file is not None:
+            kind = f"{kind}, as one GGUF file ({gguf_file}) for llama.cpp, Ollama and LM Studio"
+            library = "gguf"
+            usage = f"llama-cli -m {gguf_file} -cnv"
     else:
         kind, library = "a LoRA adapter (PEFT format)", "peft"
         usage = "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this_folder)"
@@ -271,7 +345,7 @@ def model_card(
         f"---\nlibrary_name: {library}\ntags: [qlora, lora]\n---\n\n"
         f"# {config.base_model} fine-tuned with qlora\n\n"
         f"This folder holds {kind}. Load it with `{usage}`.\n\n"
-        f"| | |\n|---|---|\n{table}\n"
+        f"| | |\n|---|---|\n{table}\n" + (_run_section(gguf_file) if gguf_file else "")
     )
 
 
@@ -297,6 +371,38 @@ def _check_out(out: Path, force: bool, keep: list[Path]) -> None:
             )
 
 
+def _check_options(
+    merged: bool,
+    gguf: bool,
+    base: str | None,
+    dtype: str | None,
+    max_shard_size: str | None,
+    gguf_type: str | None,
+) -> tuple[str | None, str | None, str | None, int | None]:
+    """The options of one kind of export, defaults filled in: (base, dtype, gguf_type, shard bytes)."""
+    if gguf and merged:
+        raise QLoraError("--gguf writes a merged model in GGUF; give either --merged or --gguf")
+    if gguf_type is not None and not gguf:
+        raise QLoraError("--gguf-type applies to --gguf exports only; add --gguf")
+    if gguf and (dtype, max_shard_size) != (None, None):
+        raise QLoraError("--dtype and --max-shard-size apply to --merged exports; --gguf takes --gguf-type")
+    if not (merged or gguf) and (base, dtype, max_shard_size) != (None, None, None):
+        raise QLoraError("--base, --dtype and --max-shard-size apply to merged exports only; add --merged")
+    if gguf:
+        gguf_type = check_gguf_type(gguf_type or DEFAULT_GGUF_TYPE)
+        import_gguf()
+    if merged or gguf:
+        base = base or DEFAULT_BASE
+        if base not in BASES:
+            raise QLoraError(f"--base: expected one of {', '.join(BASES)}, got {base!r}")
+    if merged:
+        dtype = dtype or DEFAULT_DTYPE
+        if dtype not in DTYPES:
+            raise QLoraError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        return base, dtype, None, parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    return base, None, gguf_type, None
+
+
 def export(
     source: Path,
     out: Path,
@@ -305,27 +411,22 @@ def export(
     base: str | None = None,
     dtype: str | None = None,
     max_shard_size: str | None = None,
+    gguf: bool = False,
+    gguf_type: str | None = None,
     force: bool = False,
 ) -> ExportResult:
     """Write the adapter of a checkpoint (or of an output_dir's newest checkpoint) to `out`.
 
     Without `merged`: a PEFT adapter folder. With it: the base model with the adapter merged in, onto the
     original weights (`base="original"`) or onto the NF4 round trip the adapter trained against
-    (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`.
+    (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`. With `gguf` instead: the
+    same merged weights as one GGUF file of `gguf_type`, with an Ollama Modelfile.
     """
-    if not merged and (base, dtype, max_shard_size) != (None, None, None):
-        raise QLoraError("--base, --dtype and --max-shard-size apply to merged exports only; add --merged")
-    if merged:
-        base, dtype = base or DEFAULT_BASE, dtype or DEFAULT_DTYPE
-        if base not in BASES:
-            raise QLoraError(f"--base: expected one of {', '.join(BASES)}, got {base!r}")
-        if dtype not in DTYPES:
-            raise QLoraError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-        max_bytes = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
     checkpoint = find_checkpoint(source)
     config = read_checkpoint_config(checkpoint)
     state = read_trainer_state(checkpoint)
-    if merged and base == "nf4" and not config.quantize:
+    if (merged or gguf) and base == "nf4" and not config.quantize:
         raise QLoraError(
             f"checkpoint {checkpoint} trained on an unquantized base (load_in_4bit: false); "
             "--base nf4 would merge onto weights it never saw, use --base original"
@@ -342,21 +443,35 @@ def export(
     spec = read_spec(base_folder)
     skeleton = QLoRAModel(spec, lora_config(config))
     adapter = _read_adapter(checkpoint, skeleton, base_folder)
+    if gguf:
+        check_tokenizer(base_folder)
 
-    round_trip = training_dtype(state) if merged and base == "nf4" else None
+    round_trip = training_dtype(state) if base == "nf4" else None
     temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
-    shards = 0
+    shards, gguf_file = 0, None
     try:
         temp.mkdir(parents=True)
-        if merged:
+        if gguf:
+            gguf_file = _write_gguf(
+                temp, config, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, gguf_type
+            )
+        elif merged:
             shards = _write_merged(
                 temp, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, dtype, max_bytes
             )
         else:
             save_tensors(adapter, temp / ADAPTER_FILE, metadata=SAFETENSORS_METADATA)
             write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
-        write_tokenizer(config, base_folder, temp)
-        card = model_card(config, state, merged=merged, dtype=dtype, round_trip=round_trip)
+        if not gguf:
+            write_tokenizer(config, base_folder, temp)
+        card = model_card(
+            config,
+            state,
+            merged=merged or gguf,
+            dtype=gguf_type if gguf else dtype,
+            round_trip=round_trip,
+            gguf_file=gguf_file,
+        )
         (temp / "README.md").write_text(card, encoding="utf-8")
         if out.exists():
             shutil.rmtree(out)
@@ -365,4 +480,4 @@ def export(
         raise WriteFailed(f"could not write the export to {out}: {describe(err, temp)}") from None
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    return ExportResult(out, checkpoint, merged, base, dtype, shards)
+    return ExportResult(out, checkpoint, merged or gguf, base, dtype, shards, gguf_type, gguf_file)

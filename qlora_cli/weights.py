@@ -206,13 +206,18 @@ def check_tensors(files: list[Path], spec: ModelSpec) -> dict[str, Path]:
     return found
 
 
+def locate_tensors(folder: Path, spec: ModelSpec) -> dict[Path, list[str]]:
+    """The tensors the spec needs, file by file, in the order `stream_tensors` yields them; reads headers
+    only, so a writer that must declare every tensor before the data (GGUF) can do so."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in check_tensors(shard_files(folder), spec).items():
+        by_file.setdefault(file, []).append(name)
+    return by_file
+
+
 def stream_tensors(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor the spec needs, one at a time, shard by shard."""
-    located = check_tensors(shard_files(folder), spec)
-    by_file: dict[Path, list[str]] = {}
-    for name, file in located.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
+    for file, names in locate_tensors(folder, spec).items():
         with _open(file) as f:
             for name in names:
                 try:

@@ -33,9 +33,10 @@ CASES = {
 STEPS = 3
 
 
-def make_run(folder: Path, kind: str, **settings) -> Path:
-    """A base model and one checkpoint with random LoRA A and B (and norms, if trained); returns output_dir."""
-    base = add_demo_tokenizer(WRITERS[kind](folder / "model"))
+def make_run(folder: Path, kind: str, *, writer=None, **settings) -> Path:
+    """A base model (written by `writer`, else the tiny model of `kind`) and one checkpoint with random
+    LoRA A and B (and norms, if trained); returns output_dir."""
+    base = add_demo_tokenizer((writer or WRITERS[kind])(folder / "model"))
     raw = {
         "base_model": str(base),
         "datasets": [{"path": "data/train.jsonl", "type": "alpaca"}],

@@ -1,0 +1,391 @@
+"""GGUF export: transformers' GGUF loader and llama.cpp read the file, and it is the --merged model.
+
+Logits against the fp32 --merged export, of magnitude ~3, within: bf16 5e-2 (seen 2e-2), f16 2e-2
+(seen 3e-3), q8_0 0.2 (seen 0.07). The bf16 file's matrices are the --merged bf16 export's bit for bit;
+its norms and biases stay f32, as in every GGUF type, so its logits are not that export's exactly.
+
+The tiny Qwen3 here has head_dim 128: transformers' GGUF loader does not read qwen3.attention.key_length
+and takes Qwen3Config's default head_dim, 128 (every released Qwen3's). llama.cpp does read it; the
+llama.cpp test below runs the demo model, whose head_dim (32) is hidden_size / heads.
+
+By hand once, llama-cpp-python 0.3.36 built from source on this 2-core CPU machine
+(`pip install llama-cpp-python`), on the demo trained 20 steps:
+    qlora train configs/demo.yaml --set output_dir=/tmp/demo --set max_steps=20 --set save_steps=20
+    qlora export /tmp/demo --out /tmp/demo-merged --merged
+    qlora export /tmp/demo --out /tmp/demo-gguf --gguf            # and --gguf-type q8_0
+then greedy decoding of three chat prompts ("Give me three colors.", "What is the capital of France?",
+"Write a haiku about rain."; up to 32 new tokens) with llama_cpp.Llama on the GGUF gave the same tokens
+as transformers' generate(do_sample=False) on the merged export, for bf16 and for q8_0 (26, 32 and 26
+tokens, two of them ending in <|im_end|>). test_llama_cpp_generates_what_transformers_does repeats
+that check for one prompt; it skips where llama_cpp is not installed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import REPO_ROOT, load_transformers, write_qwen2, write_qwen3
+from test_export import make_run
+
+from qlora_cli.config import load_config
+from qlora_cli.errors import QLoraError
+from qlora_cli.export import export
+from qlora_cli.gguf_vocab import QWEN2_SPLIT
+from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.train import train
+from qlora_cli.weights import read_spec
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
+VOCAB = 1024  # the demo tokenizer's
+TOLERANCES = {"bf16": 5e-2, "f16": 2e-2, "q8_0": 0.2}
+WRITERS = {
+    "qwen2": lambda folder: write_qwen2(folder, vocab_size=VOCAB),
+    "qwen3": lambda folder: write_qwen3(folder, vocab_size=VOCAB, head_dim=128),
+}
+CHAT = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "Sum 2 and 3 in Python?"},
+    {"role": "assistant", "content": "`print(2 + 3)` → 5 🙂"},
+]
+TEXTS = [
+    "Hello world, it's a test: don't panic!",
+    "你好，世界。今天天气很好",
+    "emoji 🙂🚀👍🏽 and ünïcödé",
+    "def add(a, b):\n    return a + b  # sum\n\n\tx = [1, 22, 333]",
+    "  leading spaces\r\nand CRLF   trailing  ",
+]
+# Metadata llama.cpp reads for these architectures (llama-model.cpp, llama-vocab.cpp).
+REQUIRED_KEYS = [
+    "general.architecture",
+    "{arch}.context_length",
+    "{arch}.embedding_length",
+    "{arch}.block_count",
+    "{arch}.feed_forward_length",
+    "{arch}.attention.head_count",
+    "{arch}.attention.head_count_kv",
+    "{arch}.attention.key_length",
+    "{arch}.attention.value_length",
+    "{arch}.rope.freq_base",
+    "{arch}.attention.layer_norm_rms_epsilon",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+]
+
+
+def _make_run(folder: Path, kind: str, **settings) -> Path:
+    return make_run(folder, kind, writer=WRITERS[kind], **settings)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def exports(request, tmp_path_factory):
+    """A run of each architecture (the demo's ChatML template) and its merged and GGUF exports."""
+    folder = tmp_path_factory.mktemp(request.param)
+    run = _make_run(folder, request.param, chat_template="chatml")
+    found = {"run": run, "kind": request.param}
+    for dtype in ("bfloat16", "float32"):
+        found[dtype] = export(run, folder / dtype, merged=True, dtype=dtype).out
+    for gguf_type in ("bf16", "f16", "q8_0"):
+        result = export(run, folder / gguf_type, gguf=True, gguf_type=gguf_type)
+        found[gguf_type] = result.out / result.gguf_file
+    return found
+
+
+def logits(model, vocab: int) -> torch.Tensor:
+    ids = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def load_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("gguf_type", "tolerance"), sorted(TOLERANCES.items()))
+def test_transformers_loads_the_gguf_and_it_is_the_merged_model(exports, gguf_type, tolerance):
+    got = logits(load_gguf(exports[gguf_type]), VOCAB)
+    expected = logits(load_transformers(exports["float32"]), VOCAB)
+    assert (got - expected).abs().max().item() < tolerance
+    base = logits(load_transformers(exports["run"].parent / "model"), VOCAB)
+    assert (base - expected).abs().max().item() > 5 * tolerance
+
+
+def test_gguf_tokenizer_encodes_as_tokenizer_json(exports):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    path = exports["bf16"]
+    loaded = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reference = Tokenizer.from_file(str(exports["run"].parent / "model" / "tokenizer.json"))
+    chat = ChatTokenizer.from_folder(exports["bfloat16"]).render_chat(CHAT, add_generation_prompt=True)
+    for text in [*TEXTS, chat]:
+        assert loaded.encode(text, add_special_tokens=False) == reference.encode(text).ids, text
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """(metadata key → value, tensor name → (shape as numpy writes it, type name))."""
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: (tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name) for t in reader.tensors}
+    return fields, tensors
+
+
+@pytest.mark.parametrize("gguf_type", ["bf16", "q8_0"])
+def test_gguf_holds_what_llama_cpp_needs(exports, gguf_type):
+    fields, tensors = read_gguf(exports[gguf_type])
+    spec = read_spec(exports["run"].parent / "model")
+    arch = exports["kind"]
+    assert fields["general.architecture"] == arch
+    missing = [key.format(arch=arch) for key in REQUIRED_KEYS if key.format(arch=arch) not in fields]
+    assert not missing
+    assert fields[f"{arch}.attention.key_length"] == spec.head_dim
+    assert fields[f"{arch}.block_count"] == spec.num_layers
+    assert fields[f"{arch}.attention.head_count_kv"] == spec.num_kv_heads
+    assert fields[f"{arch}.feed_forward_length"] == spec.intermediate_size
+    assert fields[f"{arch}.rope.freq_base"] == pytest.approx(spec.rope_theta)
+    assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+    assert fields["tokenizer.ggml.eos_token_id"] == 1023  # <|im_end|>
+    assert len(fields["tokenizer.ggml.tokens"]) == spec.vocab_size
+    assert fields["tokenizer.ggml.token_type"][1021:] == [3, 3, 3]  # the demo's special tokens: control
+    chat = ChatTokenizer.from_folder(exports["bfloat16"])
+    assert fields["tokenizer.chat_template"] == chat.chat_template
+
+    expected = {"token_embd.weight", "output_norm.weight"}
+    if not spec.tie_word_embeddings:
+        expected.add("output.weight")
+    per_layer = [
+        "attn_norm",
+        "ffn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ]
+    extra = {"qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"], "qwen3": ["attn_q_norm", "attn_k_norm"]}[
+        arch
+    ]
+    for layer in range(spec.num_layers):
+        expected |= {f"blk.{layer}.{name}.weight" for name in per_layer}
+        expected |= {
+            f"blk.{layer}.{name}" if name.endswith("bias") else f"blk.{layer}.{name}.weight" for name in extra
+        }
+    assert set(tensors) == expected
+    assert tensors["blk.0.attn_q.weight"][0] == (spec.q_size, spec.hidden_size)
+    assert tensors["blk.1.ffn_down.weight"][0] == (spec.hidden_size, spec.intermediate_size)
+    matrix = "BF16" if gguf_type == "bf16" else "Q8_0"
+    for name, (shape, kind) in tensors.items():
+        assert kind == ("F32" if len(shape) == 1 else matrix), name
+
+
+def test_bf16_gguf_holds_the_merged_bf16_weights_bit_for_bit(exports):
+    from safetensors.torch import load_file
+
+    merged = {}
+    for shard in exports["bfloat16"].glob("model-*.safetensors"):
+        merged.update(load_file(shard))
+    reader = gguf.GGUFReader(exports["bf16"])
+    data = {t.name: t.data for t in reader.tensors}
+    raw = torch.from_numpy(data["blk.1.attn_k.weight"].copy()).view(torch.bfloat16)
+    assert torch.equal(raw, merged["model.layers.1.self_attn.k_proj.weight"])
+
+
+def test_modelfile_and_card_say_how_to_run_it(exports):
+    folder = exports["q8_0"].parent
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "README.md", "model-q8_0.gguf"]
+    modelfile = (folder / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model-q8_0.gguf\n")
+    assert "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n" in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    card = (folder / "README.md").read_text()
+    assert "llama-cli -m model-q8_0.gguf" in card and "ollama create" in card and "q8_0" in card
+
+
+def test_modelfile_carries_a_default_system_prompt(tmp_path):
+    """qwen_25 writes a default system turn when a chat has none; Ollama gets it as SYSTEM."""
+    run = _make_run(tmp_path, "qwen2", chat_template="qwen_25")
+    modelfile = (export(run, tmp_path / "g", gguf=True).out / "Modelfile").read_text()
+    assert 'SYSTEM """You are Qwen, created by Alibaba Cloud. You are a helpful assistant."""' in modelfile
+
+
+def error_line(result) -> str:
+    code, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gguf", "--gguf-type", "q4_k"], "--gguf-type: expected one of bf16, f16, q8_0"),
+        (["--gguf-type", "f16"], "--gguf-type applies to --gguf exports only"),
+        (["--gguf", "--merged"], "give either --merged or --gguf"),
+        (["--gguf", "--dtype", "float16"], "--gguf takes --gguf-type"),
+        (["--gguf", "--base", "fp8"], "--base: expected one of original, nf4"),
+    ],
+)
+def test_cli_refuses_bad_gguf_options(tmp_path, run_cli, args, message):
+    assert message in error_line(run_cli("export", tmp_path / "run", "--out", tmp_path / "o", *args))
+
+
+def test_cli_writes_a_gguf(tmp_path, run_cli):
+    run = _make_run(tmp_path, "qwen3")
+    code, _, err = run_cli("export", run, "--out", tmp_path / "g", "--gguf", "--base", "nf4")
+    assert code == 0 and "GGUF model-bf16.gguf (nf4 base, bf16)" in err
+    assert "NF4 round trip" in (tmp_path / "g" / "README.md").read_text()
+
+
+def _without_qwen_split(tokenizer: dict) -> None:
+    tokenizer["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+
+
+def _with_other_split(tokenizer: dict) -> None:
+    tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = QWEN2_SPLIT.replace(
+        r"\p{N}|", r"\p{N}{1,3}|"
+    )
+
+
+@pytest.mark.parametrize("change", [_without_qwen_split, _with_other_split])
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused(tmp_path, run_cli, change):
+    run = _make_run(tmp_path, "qwen2")
+    path = run.parent / "model" / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    assert tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == QWEN2_SPLIT
+    change(tokenizer)
+    path.write_text(json.dumps(tokenizer))
+    line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
+    assert "llama.cpp's 'qwen2' pre-tokenizer" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_a_vocabulary_larger_than_the_model_is_refused_and_nothing_is_left(tmp_path, run_cli):
+    run = make_run(tmp_path, "qwen2")  # 160 embedding rows for the demo's 1024 tokens
+    line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
+    assert "has token id 1023, but the model's vocab_size is 160" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_missing_gguf_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(QLoraError, match=r"pip install 'qlora-cli\[gguf\]'"):
+        export(tmp_path / "run", tmp_path / "o", gguf=True)
+
+
+@pytest.fixture(scope="module")
+def demo_exports(tmp_path_factory):
+    """The demo trained a few steps (on the torch reference ops, as users on CPU do), exported --merged
+    (bf16) and --gguf (bf16)."""
+    pytest.importorskip("llama_cpp")
+    folder = tmp_path_factory.mktemp("demo")
+    config = load_config(
+        REPO_ROOT / "configs" / "demo.yaml",
+        [f"output_dir={folder / 'out'}", "max_steps=20", "save_steps=20", "device=cpu"],
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        checkpoint = train(config).checkpoint
+    merged = export(checkpoint, folder / "merged", merged=True).out
+    result = export(checkpoint, folder / "gguf", gguf=True)
+    return merged, result.out / result.gguf_file
+
+
+def test_llama_cpp_generates_what_transformers_does(demo_exports):
+    """llama.cpp loads the GGUF, tokenizes as tokenizer.json does, and its greedy continuation of a chat
+    equals transformers' on the merged export."""
+    import llama_cpp
+
+    merged, path = demo_exports
+    llama = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
+    chat = ChatTokenizer.from_folder(merged)
+    for text in TEXTS:
+        assert llama.tokenize(text.encode(), add_bos=False, special=False) == chat.encode(text), text
+    prompt = chat.render_chat(
+        [{"role": "user", "content": "Give me three colors."}], add_generation_prompt=True
+    )
+    ids = chat.encode(prompt)
+    assert llama.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+    model = load_transformers(merged)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+    got = []
+    for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
+        got.append(token)
+        if len(got) == len(expected) or token == chat.eos_token_id:
+            break
+    assert got == expected.tolist()[: len(got)] and len(got) > 4
+
+
+@pytest.mark.parametrize("gguf_type", sorted(TOLERANCES))
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_llama_cpp_computes_the_merged_model(tmp_path, kind, gguf_type):
+    """llama.cpp's logits on the GGUF are the fp32 merge's: Qwen2 with q/k/v biases and tied embeddings
+    (no output tensor), Qwen3 with QK-norm, an untied lm_head and head_dim 24 unlike hidden / heads."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    writer = {"qwen2": write_qwen2, "qwen3": write_qwen3}[kind]
+    run = make_run(tmp_path, kind, writer=lambda folder: writer(folder, vocab_size=VOCAB))
+    merged = load_transformers(export(run, tmp_path / "m", merged=True, dtype="float32").out)
+    result = export(run, tmp_path / "g", gguf=True, gguf_type=gguf_type)
+    ids = torch.randint(0, 1021, (17,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = merged(ids[None]).logits[0]
+    llama = llama_cpp.Llama(
+        model_path=str(result.out / result.gguf_file), n_ctx=64, n_threads=2, logits_all=True, verbose=False
+    )
+    llama.eval(ids.tolist())
+    got = torch.from_numpy(llama.scores[: len(ids)].copy())
+    assert (got - expected).abs().max().item() < TOLERANCES[gguf_type]
+
+
+def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
+    """Each merged tensor reaches the file before the next is read, so memory stays near one tensor."""
+    import qlora_cli.export as export_module
+
+    run = _make_run(tmp_path, "qwen2")
+    merged_tensors, sizes = export_module.merged_tensors, []
+
+    def watched(*args):
+        for name, tensor in merged_tensors(*args):
+            (partial,) = tmp_path.glob(".g.tmp-export-*/model-bf16.gguf")
+            sizes.append(partial.stat().st_size)
+            yield name, tensor
+
+    monkeypatch.setattr(export_module, "merged_tensors", watched)
+    out = export(run, tmp_path / "g", gguf=True).out
+    embedding = VOCAB * 64 * 2
+    assert sizes == sorted(sizes) and sizes[-1] - sizes[0] > embedding
+    assert (out / "model-bf16.gguf").stat().st_size > sizes[-1]
+
+
+def test_a_template_that_is_not_chatml_gets_no_ollama_template():
+    from qlora_cli.ollama import modelfile
+
+    base = ChatTokenizer.from_folder(REPO_ROOT / "configs" / "demo" / "tiny-qwen3")
+    other = base.with_chat_template(
+        "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}### assistant:", "test"
+    )
+    text = modelfile("model-f16.gguf", other)
+    assert "TEMPLATE" not in text and "SYSTEM" not in text and text.startswith("# The chat template")
+    assert "FROM ./model-f16.gguf\n" in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert "TEMPLATE" in modelfile("model-f16.gguf", base)
+
+
+def test_cli_help_names_the_gguf_options(run_cli):
+    code, out, _ = run_cli("export", "--help")
+    assert code == 0 and "--gguf-type" in out and "bf16" in out and "q8_0" in out
