@@ -12,7 +12,7 @@ overhead left out, as a decoder replaying a graph sees it):
   - bitsandbytes' `matmul_4bit` one weight at a time, as HF + PEFT decode: its fused GEMV kernel
     at M = 1, dequantize + matmul above. Skipped with a note when bitsandbytes is not installed.
 GB/s counts the bytes a call must read (the NF4 codes, absmaxes, x) and write (y) once.
-`--sweep` also times our kernel over a grid of tile sizes per shape and prints the fastest, to
+`--sweep` also times our kernel at one row over a grid of tile sizes per shape and prints the fastest, to
 retune `default_config`.
 """
 
@@ -79,18 +79,12 @@ def _bnb_runner(dense: list[torch.Tensor], biases, x: torch.Tensor):
     return run, f"bitsandbytes {bnb.__version__}"
 
 
-def _sweep_configs(rows: int) -> list[MatvecConfig]:
+def _sweep_configs() -> list[MatvecConfig]:
     """Tiles x warps x (programs per SM, longest program) that choose the K split."""
-    if rows == 1:
-        block_m, tiles = 1, itertools.product([16, 32, 64], [128, 256, 512], [4, 8])
-    else:
-        block_m, tiles = (
-            default_config(rows).block_m,
-            itertools.product([32, 64, 128], [64, 128, 256], [4, 8]),
-        )
+    tiles = itertools.product([16, 32, 64], [128, 256, 512], [4, 8])
     splits = list(itertools.product([2, 4, 8], [2, 4, 8, 16]))
     return [
-        MatvecConfig(block_m, n, k, warps, programs_per_sm=programs, k_tiles_per_program=length)
+        MatvecConfig(n, k, warps, programs_per_sm=programs, k_tiles_per_program=length)
         for (n, k, warps), (programs, length) in itertools.product(tiles, splits)
     ]
 
@@ -98,7 +92,7 @@ def _sweep_configs(rows: int) -> list[MatvecConfig]:
 def _sweep(x, weights, biases) -> dict:
     """Fastest configuration for this shape over _sweep_configs."""
     best = None
-    for candidate in _sweep_configs(x.shape[0]):
+    for candidate in _sweep_configs():
         try:
             timing = _replay(lambda c=candidate: _nf4_matvec_triton(x, weights, biases, c))
         except Exception as error:  # a tile the compiler rejects (registers, shared memory)
@@ -154,12 +148,12 @@ def bench_group(in_features: int, specs, rows: int, sweep: bool) -> dict:
         "bytes": moved,
         "max_abs_diff_vs_dequantize_matmul": error,
         "bnb": bnb_note,
-        "config": asdict(default_config(rows)),
+        "config": asdict(default_config()),
         "timings": {
             name: t.to_json() | {"gb_per_s": moved / (t.median_ms * 1e6)} for name, t in timings.items()
         },
     }
-    if sweep:
+    if sweep and rows == 1:
         result["sweep_best"] = _sweep(x, weights, biases)
     return result
 

@@ -2,24 +2,27 @@
 
     y = concat_p( x @ dequant(W_p)^T + bias_p )        x: [M, K], M a decode batch (1..64)
 
-At decode a step multiplies a handful of rows by every weight once, so the time is the time to
-read the weights. Dequantizing a whole matrix first (kernels.nf4) also writes it at bf16 and
-reads it back, nine times the bytes of the codes alone; the Triton kernel here decodes the codes and
-their block absmaxes (double-quantized or plain fp32) in registers, tile by tile, and multiplies
-them straight into fp32 accumulators, reading each weight byte once for all M rows.
+At batch 1 a step multiplies one row by every weight once, so the time is the time to read the
+weights. Dequantizing a whole matrix first (kernels.nf4) also writes it at bf16 and reads it
+back, nine times the bytes of the codes alone; the Triton kernel here decodes the codes and their
+block absmaxes (double-quantized or plain fp32) in registers, tile by tile, and multiplies them
+straight into fp32 accumulators.
+
+Several rows take kernels.nf4's dequantize and a cuBLAS matmul instead. Decoding the codes in
+registers costs a table read per value; with tl.dot over rows padded to 16 that made the kernel
+6x slower than dequantize + matmul at 16 rows on an H200, whatever the rows (benchmarks/RESULTS.md).
 
 Numerics: each weight value is code * absmax in fp32, products are summed in fp32 and the result
-is cast to x.dtype once, after the bias. The reference, and the kernel for more than one row
-(tensor cores), round the weight to x.dtype first, as `x @ dequantize_nf4(W).T` does; at batch 1
-the kernel keeps it in fp32 (fewer instructions, and no less accurate), so there a bf16 result
-can differ from the reference by the weights' bf16 rounding.
+is cast to x.dtype once, after the bias. The reference, and the several-row path, round the
+weight to x.dtype first, as `x @ dequantize_nf4(W).T` does; the kernel keeps it in fp32 (fewer
+instructions, and no less accurate), so there a bf16 result can differ from the reference by the
+weights' bf16 rounding.
 
-Each program owns a tile of output features (N) for all M rows and walks its share of K; when
-the N tiles alone would leave the GPU idle (k/v at batch 1, or o/down whose N is small), K is
-split across programs that write fp32 partial sums, and a second small kernel adds them in a
-fixed order (no atomics, so a decode is repeatable). Batch 1 multiplies and sums in fp32 lanes;
-larger batches use tl.dot on a tile of M padded to 16 rows. Weights of a group (q/k/v,
-gate/up) run one launch each, writing their column slice of one output.
+Each program owns a tile of output features (N) of one row and walks its share of K; when the N
+tiles alone would leave the GPU idle (k/v, or o/down whose N is small), K is split across
+programs that write fp32 partial sums, and a second small kernel adds them in a fixed order (no
+atomics, so a decode is repeatable). Weights of a group (q/k/v, gate/up) run one launch each,
+writing their column slice of one output.
 
 There is no autograd Function: decoding is inference only, nothing flows back through here.
 """
@@ -30,8 +33,8 @@ from functools import cache
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
-from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_nf4_reference
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_nf4, dequantize_nf4_reference
 
 if TRITON_AVAILABLE:
     import triton
@@ -223,7 +226,6 @@ if TRITON_AVAILABLE:
         bias_ptr,
         out_ptr,
         offset,
-        M,
         N,
         K,
         x_row_stride,
@@ -237,39 +239,31 @@ if TRITON_AVAILABLE:
         DOUBLE_QUANT: tl.constexpr,
         ALIGNED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        DOT_IN_FP32: tl.constexpr,
     ):
         """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
 
-        Grid: (N tiles, K splits, M tiles). BLOCK_M == 1 sums in fp32 lanes with the weights in
-        fp32 (per block with whole blocks, `_blocks_dot_x`, else per row). Larger BLOCK_M
-        rounds the weights to x's dtype and uses tl.dot, on fp32 operands (exact IEEE products)
-        for fp32 x and in the interpreter, whose bf16 dot is wrong.
+        Grid: (N tiles, K splits, rows). Sums in fp32 lanes with the weights in fp32: per block
+        with whole blocks (`_blocks_dot_x`), else per value.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
-        ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = ms < M
         k_begin = pid_k * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        BLOCK_SUMS: tl.constexpr = BLOCK_M == 1 and ALIGNED and not PLAIN
+        BLOCK_SUMS: tl.constexpr = ALIGNED and not PLAIN
+        x_row_ptr = x_ptr + pid_m * x_row_stride
         if BLOCK_SUMS:
             sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
-        elif BLOCK_M == 1:
-            row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            row_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
         if BLOCK_SUMS:
             # The next tile's bytes are fetched before this one computes (a software pipeline by
             # hand: Triton pipelines only loops with tl.dot by itself, and for this one it would
             # also stage the code-table reads through shared memory).
-            x_row_ptr = x_ptr + pid_m * x_row_stride
             fetched = _fetch_blocks(
                 weight_ptr,
                 absmax_ptr,
@@ -341,26 +335,14 @@ if TRITON_AVAILABLE:
                         BLOCK_N,
                         BLOCK_K,
                     )
-                x_offsets = ms[:, None] * x_row_stride + ks[None, :]
-                x = tl.load(x_ptr + x_offsets, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if BLOCK_M == 1:
-                    row_sums += tl.sum(weights * x.to(tl.float32), axis=1)
-                elif DOT_IN_FP32:
-                    # Rounded to x's dtype first, as a dequantized weight would be.
-                    weights = weights.to(x_ptr.dtype.element_ty).to(tl.float32)
-                    acc = tl.dot(weights, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(weights.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
-        if BLOCK_SUMS:
-            acc = tl.sum(sums, axis=1)[:, None]
-        elif BLOCK_M == 1:
-            acc = row_sums[:, None]
+                x = tl.load(x_row_ptr + ks, mask=k_mask, other=0.0)
+                row_sums += tl.sum(weights * x.to(tl.float32)[None, :], axis=1)
+        acc = tl.sum(sums, axis=1) if BLOCK_SUMS else row_sums
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            acc += (bias * (pid_k == 0).to(tl.float32))[:, None]
-        out_offsets = pid_k * out_split_stride + ms[None, :] * out_row_stride + rows[:, None]
-        out_mask = row_mask[:, None] & m_mask[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            acc += bias * (pid_k == 0).to(tl.float32)
+        out_offsets = pid_k * out_split_stride + pid_m * out_row_stride + rows
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
     def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -381,7 +363,6 @@ class MatvecConfig:
     """Tile sizes of one call. `split_k` None splits K so that no program walks more than
     `k_tiles_per_program` tiles and the narrowest weight still gets `programs_per_sm` programs."""
 
-    block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
@@ -391,18 +372,13 @@ class MatvecConfig:
     split_k: int | None = None
 
 
-def default_config(rows: int) -> MatvecConfig:
-    """Batch 1: N tiles of 32 rows by 256 values (4 KB of codes a step, fp32 lanes, no tensor
-    cores). More rows: tl.dot on M padded to 16, 64-row N tiles, so that re-reading x (from L2)
-    for every N tile costs no more than the tile's own codes at 16 rows.
+def default_config() -> MatvecConfig:
+    """N tiles of 32 rows by 256 values (4 KB of codes a step, fp32 lanes, no tensor cores).
 
     K is split so that programs walk a few tiles each (with the next tile's bytes fetched while
     one computes) rather than one long program per N tile: bytes in flight come from programs in
     flight, and many shorter programs also leave a smaller last wave."""
-    if rows == 1:
-        return MatvecConfig(block_m=1, block_n=32, block_k=256, k_tiles_per_program=8)
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return MatvecConfig(block_m=block_m, block_n=64, block_k=128, programs_per_sm=2, k_tiles_per_program=8)
+    return MatvecConfig(block_n=32, block_k=256, k_tiles_per_program=8)
 
 
 @cache
@@ -419,7 +395,7 @@ _PARTIAL_K_PER_ROW = 32
 _SUM_BLOCK = 1024
 
 
-def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int, device) -> tuple[int, int]:
+def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], rows: int, device) -> tuple[int, int]:
     """(splits, K per split), one split for the whole group (one sum kernel after it): programs of
     at most k_tiles_per_program tiles, and enough of them for the group's narrowest weight to fill
     the GPU (k/v, whose launches are otherwise a few dozen programs), within _PARTIAL_K_PER_ROW."""
@@ -428,12 +404,12 @@ def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], m_tiles: int
     if config.split_k is not None:
         wanted = config.split_k
     else:
-        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * m_tiles
+        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * rows
         wanted = max(
             triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles),
             triton.cdiv(k_tiles, config.k_tiles_per_program),
         )
-        wanted = min(wanted, max(1, k // (_PARTIAL_K_PER_ROW * m_tiles * config.block_m)))
+        wanted = min(wanted, max(1, k // (_PARTIAL_K_PER_ROW * rows)))
     tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
 
@@ -454,13 +430,12 @@ def _nf4_matvec_triton(
     biases: Sequence[torch.Tensor | None],
     config: MatvecConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit column stride) -> [M, sum N] in x.dtype."""
+    """x [M, K] (unit column stride) -> [M, sum N] in x.dtype, one program row per x row."""
     rows, k = x.shape
-    config = config or default_config(rows)
+    config = config or default_config()
     if x.stride(1) != 1:
         x = x.contiguous()
-    m_tiles = triton.cdiv(rows, config.block_m)
-    splits, k_per_split = _split_k(config, weights, m_tiles, x.device)
+    splits, k_per_split = _split_k(config, weights, rows, x.device)
     total = sum(w.shape[0] for w in weights)
     out = torch.empty(rows, total, dtype=x.dtype, device=x.device)
     partial = out if splits == 1 else torch.empty(splits, rows, total, dtype=torch.float32, device=x.device)
@@ -481,7 +456,7 @@ def _nf4_matvec_triton(
             offset, blocksize, double_quant = weight.nested_offset, weight.blocksize, weight.double_quant
             nested_blocksize = weight.nested_blocksize
         aligned = not plain and k % blocksize == 0 and config.block_k % blocksize == 0
-        grid = (triton.cdiv(n, config.block_n), splits, m_tiles)
+        grid = (triton.cdiv(n, config.block_n), splits, rows)
         _nf4_matvec_kernel[grid](
             x,
             *tensors,
@@ -490,7 +465,6 @@ def _nf4_matvec_triton(
             x if bias is None else bias,
             partial[..., column:],
             offset,
-            rows,
             n,
             k,
             x.stride(0),
@@ -504,10 +478,8 @@ def _nf4_matvec_triton(
             DOUBLE_QUANT=double_quant,
             ALIGNED=aligned,
             HAS_BIAS=bias is not None,
-            BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
-            DOT_IN_FP32=x.dtype == torch.float32 or interpreting(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -524,13 +496,17 @@ def _nf4_matvec_triton(
 
 
 def _plain_matvec(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+    x: torch.Tensor, weights: Sequence[FrozenWeight], biases: Sequence[torch.Tensor | None]
 ) -> torch.Tensor:
-    """Plain weights in x.dtype through torch (fp32 accumulation inside the matmul)."""
-    outputs = [
-        torch.nn.functional.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
-        for w, b in zip(weights, biases, strict=True)
-    ]
+    """Weights in x.dtype through torch's matmul (fp32 accumulation inside it); NF4 weights are
+    dequantized first, one at a time, so at most one matrix is held at x.dtype."""
+    outputs = []
+    for weight, bias in zip(weights, biases, strict=True):
+        if isinstance(weight, NF4Weight):
+            weight = dequantize_nf4(replace(weight, dtype=x.dtype))
+        outputs.append(
+            torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        )
     return torch.cat(outputs, dim=-1)
 
 
@@ -554,8 +530,9 @@ def nf4_matvec(
 ) -> torch.Tensor:
     """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype.
 
-    A group with no NF4 weight (quantization off) goes to torch's matmul (cuBLAS GEMV), which
-    reads plain weights as fast as this kernel could.
+    One row of a group with an NF4 weight takes the Triton kernel. A group with no NF4 weight
+    (quantization off) goes to torch's matmul (cuBLAS GEMV), which reads plain weights as fast as
+    the kernel could; several rows dequantize and multiply (see the module docstring).
     """
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
@@ -564,8 +541,10 @@ def nf4_matvec(
         out = rows.new_empty(0, sum(w.shape[0] for w in weights))
     elif not any(isinstance(w, NF4Weight) for w in weights):
         out = _plain_matvec(rows, weights, biases)
-    elif use_triton(x):
+    elif not use_triton(x):
+        out = nf4_matvec_reference(rows, weights, biases)
+    elif rows.shape[0] == 1:
         out = _nf4_matvec_triton(rows, weights, biases)
     else:
-        out = nf4_matvec_reference(rows, weights, biases)
+        out = _plain_matvec(rows, weights, biases)
     return out.reshape(*x.shape[:-1], out.shape[-1])
