@@ -1,6 +1,6 @@
 """Decode-time projections: a few rows of activations times frozen NF4 (or plain) weights.
 
-    y = concat_p( x @ dequant(W_p)^T + bias_p )        x: [M, K], M a decode batch (1..64)
+    y = concat_p( x @ dequant(W_p)^T + bias_p )        x: [M, K], M the rows of a decode step
 
 At batch 1 a step multiplies one row by every weight once, so the time is the time to read the
 weights. Dequantizing a whole matrix first (kernels.nf4) also writes it at bf16 and reads it
@@ -162,7 +162,7 @@ if TRITON_AVAILABLE:
         packed_ptr,
         absmax_ptr,
         nested_ptr,
-        x_row_ptr,
+        x_ptr,
         rows,
         k_start,
         k_end,
@@ -185,7 +185,7 @@ if TRITON_AVAILABLE:
             absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
             nested = absmax
         ks = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row_ptr + ks, mask=ks < k_end, other=0.0)
+        x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
         return packed, absmax, nested, x
 
     @triton.jit
@@ -228,10 +228,8 @@ if TRITON_AVAILABLE:
         offset,
         N,
         K,
-        x_row_stride,
         weight_row_stride,
         out_split_stride,
-        out_row_stride,
         k_per_split,
         BLOCKSIZE: tl.constexpr,
         NESTED_BLOCKSIZE: tl.constexpr,
@@ -242,20 +240,18 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """out[split, m, n] = sum over this split's K of x[m, k] * W[n, k] (+ bias in split 0).
+        """out[split, n] = sum over this split's K of x[k] * W[n, k] (+ bias in split 0).
 
-        Grid: (N tiles, K splits, rows). Sums in fp32 lanes with the weights in fp32: per block
+        Grid: (N tiles, K splits). Sums in fp32 lanes with the weights in fp32: per block
         with whole blocks (`_blocks_dot_x`), else per value.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
         rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         k_begin = pid_k * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
         BLOCK_SUMS: tl.constexpr = ALIGNED and not PLAIN
-        x_row_ptr = x_ptr + pid_m * x_row_stride
         if BLOCK_SUMS:
             sums = tl.zeros([BLOCK_N, BLOCK_K // BLOCKSIZE], dtype=tl.float32)
         else:
@@ -268,7 +264,7 @@ if TRITON_AVAILABLE:
                 weight_ptr,
                 absmax_ptr,
                 nested_ptr,
-                x_row_ptr,
+                x_ptr,
                 rows,
                 k_begin,
                 k_end,
@@ -286,7 +282,7 @@ if TRITON_AVAILABLE:
                     weight_ptr,
                     absmax_ptr,
                     nested_ptr,
-                    x_row_ptr,
+                    x_ptr,
                     rows,
                     k_start + BLOCK_K,
                     k_end,
@@ -335,13 +331,13 @@ if TRITON_AVAILABLE:
                         BLOCK_N,
                         BLOCK_K,
                     )
-                x = tl.load(x_row_ptr + ks, mask=k_mask, other=0.0)
+                x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
                 row_sums += tl.sum(weights * x.to(tl.float32)[None, :], axis=1)
         acc = tl.sum(sums, axis=1) if BLOCK_SUMS else row_sums
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
             acc += bias * (pid_k == 0).to(tl.float32)
-        out_offsets = pid_k * out_split_stride + pid_m * out_row_stride + rows
+        out_offsets = pid_k * out_split_stride + rows
         tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
@@ -390,26 +386,26 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 # Split partial sums (fp32, written and read back once) may cost at most half the bytes of the
-# NF4 codes: splits * rows * N * 8 <= N * K / 4.
-_PARTIAL_K_PER_ROW = 32
+# NF4 codes: splits * N * 8 <= N * K / 4.
+_PARTIAL_K = 32
 _SUM_BLOCK = 1024
 
 
-def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], rows: int, device) -> tuple[int, int]:
+def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], device) -> tuple[int, int]:
     """(splits, K per split), one split for the whole group (one sum kernel after it): programs of
     at most k_tiles_per_program tiles, and enough of them for the group's narrowest weight to fill
-    the GPU (k/v, whose launches are otherwise a few dozen programs), within _PARTIAL_K_PER_ROW."""
+    the GPU (k/v, whose launches are otherwise a few dozen programs), within _PARTIAL_K."""
     k = weights[0].shape[1]
     k_tiles = triton.cdiv(k, config.block_k)
     if config.split_k is not None:
         wanted = config.split_k
     else:
-        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n) * rows
+        n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n)
         wanted = max(
             triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles),
             triton.cdiv(k_tiles, config.k_tiles_per_program),
         )
-        wanted = min(wanted, max(1, k // (_PARTIAL_K_PER_ROW * rows)))
+        wanted = min(wanted, max(1, k // _PARTIAL_K))
     tiles_per_split = triton.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * config.block_k
 
@@ -430,15 +426,16 @@ def _nf4_matvec_triton(
     biases: Sequence[torch.Tensor | None],
     config: MatvecConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit column stride) -> [M, sum N] in x.dtype, one program row per x row."""
-    rows, k = x.shape
+    """x [1, K] -> [1, sum N] in x.dtype."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the NF4 GEMV kernel takes one row, got {x.shape[0]}")
+    k = x.shape[1]
     config = config or default_config()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    splits, k_per_split = _split_k(config, weights, rows, x.device)
+    x = x.contiguous()
+    splits, k_per_split = _split_k(config, weights, x.device)
     total = sum(w.shape[0] for w in weights)
-    out = torch.empty(rows, total, dtype=x.dtype, device=x.device)
-    partial = out if splits == 1 else torch.empty(splits, rows, total, dtype=torch.float32, device=x.device)
+    out = torch.empty(1, total, dtype=x.dtype, device=x.device)
+    partial = out if splits == 1 else torch.empty(splits, 1, total, dtype=torch.float32, device=x.device)
     code, _, dynamic_map = _tables(x.device)
     column = 0
     for index, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
@@ -456,7 +453,7 @@ def _nf4_matvec_triton(
             offset, blocksize, double_quant = weight.nested_offset, weight.blocksize, weight.double_quant
             nested_blocksize = weight.nested_blocksize
         aligned = not plain and k % blocksize == 0 and config.block_k % blocksize == 0
-        grid = (triton.cdiv(n, config.block_n), splits, rows)
+        grid = (triton.cdiv(n, config.block_n), splits)
         _nf4_matvec_kernel[grid](
             x,
             *tensors,
@@ -467,10 +464,8 @@ def _nf4_matvec_triton(
             offset,
             n,
             k,
-            x.stride(0),
             weight.stride(0) if plain else 0,
-            rows * total if splits > 1 else 0,
-            total,
+            total if splits > 1 else 0,
             k_per_split,
             BLOCKSIZE=blocksize,
             NESTED_BLOCKSIZE=nested_blocksize,

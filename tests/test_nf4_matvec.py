@@ -78,15 +78,14 @@ SPLITS_RUN = {"rows_whole_blocks": {1: 1, 2: 2, 3: 3, 4: 3}, "rows_straddle_bloc
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
-@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("name", sorted(SPLITS_RUN))
-def test_k_splits(name, rows, splits):
+def test_k_splits(name, splits):
     """Small K tiles: one program walks several tiles (its next tile fetched ahead), several
     programs split K and their partial sums add up; the last split ends in a K tail."""
     in_features, weights, biases = _group(name, double_quant=True)
-    x = _x(rows, in_features, torch.float32)
+    x = _x(1, in_features, torch.float32)
     config = replace(default_config(), block_n=16, block_k=64, split_k=splits)
-    assert _split_k(config, weights, rows, x.device)[0] == SPLITS_RUN[name][splits]
+    assert _split_k(config, weights, x.device)[0] == SPLITS_RUN[name][splits]
     _assert_close(
         _nf4_matvec_triton(x, weights, biases, config), nf4_matvec_reference(x, weights, biases), x.dtype
     )
@@ -97,11 +96,18 @@ def test_default_split_bounds_program_length_and_partial_sums():
     program to k_tiles_per_program tiles; partial sums stay within half the codes' bytes."""
     cpu = torch.device("cpu")
     config = MatvecConfig(block_n=16, block_k=64, programs_per_sm=4, k_tiles_per_program=4)
-    narrow = _split_k(config, [torch.zeros(16, 1024)], 1, cpu)
-    wide = _split_k(config, [torch.zeros(16 * 64, 1024)], 1, cpu)
+    narrow = _split_k(config, [torch.zeros(16, 1024)], cpu)
+    wide = _split_k(config, [torch.zeros(16 * 64, 1024)], cpu)
     assert narrow[0] > wide[0]
     assert wide == (4, 256)
-    assert _split_k(config, [torch.zeros(16, 1024)], 16, cpu)[0] == 1024 // (32 * 16)
+    assert _split_k(replace(config, block_k=16), [torch.zeros(16, 256)], cpu)[0] == 256 // 32
+
+
+def test_kernel_takes_one_row():
+    """Several rows go to dequantize + matmul (nf4_matvec); the GEMV kernel is for one."""
+    in_features, weights, biases = _group("rows_whole_blocks", double_quant=True)
+    with pytest.raises(ValueError, match="one row"):
+        _nf4_matvec_triton(_x(2, in_features, torch.float32), weights, biases)
 
 
 @pytest.mark.parametrize("leading", [(2, 3), (2, 35)], ids=["6_rows", "70_rows"])
