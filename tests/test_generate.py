@@ -299,6 +299,21 @@ def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch
     assert too_long == "" and "does not fit in sequence_len 512" in err
 
 
+def test_a_message_too_long_for_chat_keeps_the_conversation(run, tmp_path, run_cli, monkeypatch):
+    too_long = " ".join(["w1"] * 600)
+    stdout, err = chat_session(
+        run_cli, monkeypatch, run, [PROMPTS[1], too_long, PROMPTS[0]], "--max-new-tokens", "12"
+    )
+    assert "does not fit in sequence_len 512" in err and "dropped" not in err
+    first = ours_file(run_cli, run, tmp_path, [{"role": "user", "content": PROMPTS[1]}])
+    history = [
+        {"role": "user", "content": PROMPTS[1]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    assert stdout == f"{first}\n{ours_file(run_cli, run, tmp_path, history)}\n"
+
+
 def cuda_model(run: Path, dtype: torch.dtype) -> tuple[QLoRAModel, set[int], list[list[int]]]:
     """The run's model on CUDA (Triton kernels), its stop ids and the test prompts as ids."""
     loaded = load_source(run, device="cpu")
