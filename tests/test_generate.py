@@ -247,6 +247,20 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
         assert message in error_line(run_cli("generate", run, *args))
 
 
+def test_bad_devices(run, run_cli):
+    cases = [("gpu", "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"), ("cuda:x", "got 'cuda:x'")]
+    if not torch.cuda.is_available():
+        cases += [
+            ("cuda", "--device is 'cuda' but no CUDA device"),
+            ("cuda:0", "--device is 'cuda:0' but no CUDA"),
+        ]
+    else:
+        cases.append((f"cuda:{torch.cuda.device_count()}", "CUDA device(s), cuda:0 to"))
+    for command in (["generate", run, "--prompt", "hi"], ["chat", run]):
+        for device, message in cases:
+            assert message in error_line(run_cli(*command, "--device", device))
+
+
 def chat_session(run_cli, monkeypatch, source, lines: list[str], *args):
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
     code, stdout, err = run_cli("chat", source, "--device", "cpu", *args)
