@@ -3,6 +3,7 @@ prompts decoded together, each row ending at a stop token, its token budget or t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ class Sampling:
 
 
 def sampling_problem(sampling: Sampling) -> str | None:
-    if sampling.temperature < 0:
-        return f"--temperature must be 0 (greedy) or more, got {sampling.temperature:g}"
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        return f"--temperature must be 0 (greedy) or a positive number, got {sampling.temperature:g}"
     if not 0 < sampling.top_p <= 1:
         return f"--top-p must be in (0, 1], got {sampling.top_p:g}"
     if sampling.top_k < 0:
@@ -50,7 +51,12 @@ class Sampler:
         s = self.sampling
         if s.temperature == 0:
             return logits.argmax(dim=-1)
-        logits = logits.float() / s.temperature
+        # Each row's best token at 0 and the rest at or below it, so no temperature, however small,
+        # overflows the softmax into inf/nan; a temperature under fp32's smallest normal number would
+        # divide 0 by a value that flushes to zero.
+        logits = logits.float()
+        temperature = max(s.temperature, torch.finfo(torch.float32).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         if s.top_k and s.top_k < logits.shape[-1]:
             kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

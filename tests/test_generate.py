@@ -14,7 +14,7 @@ from qlora_cli.checkpoint import save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.decoding import DecodingEngine
 from qlora_cli.export import export
-from qlora_cli.generation import Sampling, generate_ids
+from qlora_cli.generation import Sampler, Sampling, generate_ids
 from qlora_cli.generation_source import load_source
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import lora_config
@@ -175,6 +175,14 @@ def test_sampling_repeats_with_its_seed(run, tmp_path, run_cli):
     assert one_choice == greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-3])
+def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.999], [80.0, -80.0, 79.0, 0.0]]) * 1e3
+    for top_p, top_k in [(1.0, 0), (0.9, 2)]:
+        sampler = Sampler(Sampling(temperature=temperature, top_p=top_p, top_k=top_k), torch.device("cpu"))
+        assert sampler(logits).tolist() == [1, 0]
+
+
 def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
     file = tmp_path / "prompts.jsonl"
@@ -239,6 +247,14 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
         (["--prompts", tmp_path / "absent.jsonl"], "does not exist"),
         (["--prompt", long_prompt, "--raw"], "more than the model's context"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0"),
+        (
+            ["--prompt", "hi", "--temperature", "nan"],
+            "--temperature must be 0 (greedy) or a positive number, got nan",
+        ),
+        (
+            ["--prompt", "hi", "--temperature", "inf"],
+            "--temperature must be 0 (greedy) or a positive number, got inf",
+        ),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--prompt", "hi", "--raw", "--system", "x"], "--system needs the chat template"),
         (["--prompt", "", "--raw"], "the prompt is empty"),
