@@ -10,9 +10,11 @@ import pytest
 import torch
 from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
 
+from qlora_cli import generate_command
 from qlora_cli.checkpoint import save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.decoding import DecodingEngine
+from qlora_cli.errors import QLoraError
 from qlora_cli.export import export
 from qlora_cli.generation import Sampler, Sampling, generate_ids
 from qlora_cli.generation_source import load_source
@@ -200,6 +202,50 @@ def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
     )
     assert code == 0, err
     assert json.loads(out.read_text())["completion"] == rows[1]["completion"]
+
+
+def test_out_is_checked_before_loading_and_keeps_the_rows_of_finished_batches(
+    run, tmp_path, run_cli, monkeypatch
+):
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path, tmp_path / "file" / "out.jsonl"):
+        assert f"cannot write --out {out}" in error_line(
+            run_cli("generate", run, "--prompt", "hi", "--out", out)
+        )
+    real = generate_command.generate_ids
+    batches = []
+
+    def failing_second_batch(*args, **kwargs):
+        batches.append(args[1])
+        if len(batches) == 2:
+            raise QLoraError("the second batch failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_command, "generate_ids", failing_second_batch)
+    out = tmp_path / "rows.jsonl"
+    result = run_cli(
+        "generate", run, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--batch-size", 1, "--out", out
+    )
+    assert result[0] == 2 and "the second batch failed" in result[2]
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [PROMPTS[0]]
+
+
+def test_rows_record_the_system_message_and_the_summary_counts_right(run, tmp_path, run_cli):
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(
+        "generate", run, "--prompt", "hi", "--system", "Be brief.", "--out", out, "--max-new-tokens", 1
+    )
+    assert code == 0, err
+    row = json.loads(out.read_text())
+    assert row["system"] == "Be brief." and row["prompt"] == "hi"
+    tokens = row["completion_tokens"]
+    assert f"1 prompt, {tokens} token{'' if tokens == 1 else 's'} in " in err
+    code, _, err = run_cli(
+        "generate", run, "--prompt", "hi", "--prompt", "ho", "--out", out, "--max-new-tokens", 2
+    )
+    assert code == 0, err
+    assert "2 prompts, " in err
+    assert all("system" not in json.loads(line) for line in out.read_text().splitlines())
 
 
 def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
