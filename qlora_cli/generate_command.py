@@ -73,9 +73,10 @@ def generate(
                 rows.append(row)
     total = timing.prefill_s + timing.decode_s
     steps = timing.decode_steps / timing.decode_s if timing.decode_s else 0.0
+    speed = timing.tokens / total if total else 0.0
     console.print(
         f"{_count(len(rows), 'prompt')}, {_count(timing.tokens, 'token')} in {total:.2f}s "
-        f"({timing.tokens / total:.1f} tokens/s): first token after {timing.prefill_s:.2f}s, "
+        f"({speed:.1f} tokens/s): first token after {timing.prefill_s:.2f}s, "
         f"then {steps:.1f} decode steps/s",
         highlight=False,
         soft_wrap=True,

@@ -16,7 +16,7 @@ from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.decoding import DecodingEngine
 from qlora_cli.errors import QLoraError
 from qlora_cli.export import export
-from qlora_cli.generation import Sampler, Sampling, generate_ids
+from qlora_cli.generation import Completion, Sampler, Sampling, generate_ids
 from qlora_cli.generation_source import load_source
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import lora_config
@@ -246,6 +246,24 @@ def test_rows_record_the_system_message_and_the_summary_counts_right(run, tmp_pa
     assert code == 0, err
     assert "2 prompts, " in err
     assert all("system" not in json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_stdout_holds_each_completion_as_written_and_out_one_row_each(run, tmp_path, run_cli, monkeypatch):
+    """A completion with newlines spans lines of stdout; --out keeps it whole in its row."""
+    tokenizer = load_source(run, device="cpu").tokenizer
+    texts = ["first line\nsecond line", "one line"]
+
+    def written(engine, batch, *args, **kwargs):
+        return [
+            Completion(len(p), tokenizer.encode(text), "stop") for p, text in zip(batch, texts, strict=False)
+        ]
+
+    monkeypatch.setattr(generate_command, "generate_ids", written)
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = run_cli("generate", run, "--prompt", "a", "--prompt", "b", "--out", out)
+    assert code == 0, err
+    assert stdout == "first line\nsecond line\none line\n"
+    assert [json.loads(line)["completion"] for line in out.read_text().splitlines()] == texts
 
 
 def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
