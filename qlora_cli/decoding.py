@@ -3,8 +3,10 @@
 Prefill packs every prompt of the batch into one row, each with positions from 0 and a document of
 its own, and runs the training layers on it (the same kernels, the same numbers), capturing each
 layer's post-RoPE keys and values into the cache. A decode step then feeds one token per row: the
-projections read the 4-bit weights directly (kernels.nf4_matvec) with LoRA as two skinny products,
-and attention reads the row's cached keys up to its own length. Rows keep their own lengths, so
+projections go through kernels.nf4_matvec, which at one row reads the 4-bit codes directly (a Triton
+kernel launch per weight, plus one adding split-K partial sums) and at several rows dequantizes each
+weight and takes cuBLAS (faster on an H200, see that module); LoRA is two skinny products, and
+attention reads the row's cached keys up to its own length. Rows keep their own lengths, so
 prompts of different lengths decode together without padding. On CUDA the step is captured once per
 batch size as a CUDA graph (fixed shapes, the cache preallocated, tokens and positions passed in
 tensors) and replayed; on the CPU it runs eagerly.
