@@ -100,14 +100,15 @@ def generate_ids(
     on_token: TokenCallback | None = None,
     timing: Timing | None = None,
 ) -> list[Completion]:
-    """Decode every prompt (token ids, none empty) as one batch. on_token(row, id) hears each kept token
+    """Decode every prompt (token ids, none empty, each shorter than the model's context) as one batch. on_token(row, id) hears each kept token
     as it is chosen; timing, when given, receives the prefill and decode times."""
     device = engine.decoder.device
     sampler = Sampler(sampling, device)
     limit = engine.max_positions
     longest = max(len(p) for p in prompts)
     if longest >= limit:
-        raise QLoraError(f"a prompt of {longest} tokens leaves no room in the model's context of {limit}")
+        # Callers refuse such prompts with their own message (prompt_inputs.check_fits, chat's fit).
+        raise ValueError(f"a prompt of {longest} tokens leaves no room in the model's context of {limit}")
     cache, step = engine.prepare(len(prompts), min(limit, longest + sampling.max_new_tokens))
     completions = [Completion(len(p)) for p in prompts]
     lengths = torch.tensor([len(p) for p in prompts], device=device)

@@ -305,9 +305,15 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
     no_field = tmp_path / "no_field.jsonl"
     no_field.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "?"}) + "\n")
     long_prompt = " ".join(f"w{i}" for i in range(600))
+    not_json = tmp_path / "not_json.jsonl"
+    not_json.write_text(json.dumps({"prompt": "ok"}) + "\n\n{oops\n")
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text("[1]\n")
     for args, message in [
         (["--prompts", empty], "holds no prompts"),
-        (["--prompts", no_field], "no_field.jsonl line 2: the row has neither 'prompt' nor 'messages'"),
+        (["--prompts", no_field], f"{no_field}:2: the row has neither 'prompt' nor 'messages'"),
+        (["--prompts", not_json], f"{not_json}:3: not valid JSON (Expecting property name"),
+        (["--prompts", listed], f"{listed}:1: expected a JSON object, got"),
         (["--prompts", tmp_path / "absent.jsonl"], "does not exist"),
         (["--prompt", long_prompt, "--raw"], "more than the model's context"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0"),
