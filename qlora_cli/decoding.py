@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_cli.model import GROUPS, ProjectionGroup, QLoRAModel
+from qlora_kernels._dispatch import use_triton
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
 from qlora_kernels.nf4_matvec import nf4_matvec
 from qlora_kernels.rmsnorm import add_rms_norm
@@ -56,13 +57,14 @@ class DecodeProjection:
     """A projection group for a few rows: the frozen weights read as they are stored, LoRA as
     (x @ A^T) @ B^T with every adapter of the group in one A and one block-diagonal B, scaling folded in.
 
-    On the CPU the NF4 weights are dequantized once here: the reference mat-vec would dequantize them
-    at every step, and the product is the same either way.
+    Where the kernels run on their torch references (the CPU, outside Triton's interpreter) the NF4
+    weights are dequantized once here: the reference mat-vec would dequantize them at every step, and
+    the product is the same either way. Where Triton runs they stay NF4 for nf4_matvec.
     """
 
     def __init__(self, group: ProjectionGroup, dtype: torch.dtype):
         self.weights = [
-            dequantize_nf4(w) if isinstance(w, NF4Weight) and w.packed.device.type == "cpu" else w
+            dequantize_nf4(w) if isinstance(w, NF4Weight) and not use_triton(w.packed) else w
             for w in group.weights
         ]
         self.biases = list(group.biases)

@@ -21,6 +21,7 @@ from qlora_cli.generation_source import load_source
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import lora_config
 from qlora_cli.train import train
+from qlora_kernels import nf4_matvec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -459,11 +460,24 @@ def test_cuda_generation_agrees_with_the_cpu_reference(run):
     assert (got - expected).abs().max().item() < 1e-3
 
 
-def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch, rows):
     """The prefill and decode steps through the Triton kernels (in the interpreter) give the logits the
-    torch references give: the shapes and strides decoding hands the kernels are ones they take."""
+    torch references give: the shapes and strides decoding hands the kernels are ones they take. One
+    row takes nf4_matvec's kernel on the NF4 codes, several rows its dequantize + matmul."""
     loaded = load_source(run, device="cpu")
-    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:2]]
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:rows]]
+    calls = {"kernel": 0, "dequantize": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(nf4_matvec, "_nf4_matvec_triton", counted("kernel", nf4_matvec._nf4_matvec_triton))
+    monkeypatch.setattr(nf4_matvec, "dequantize_nf4", counted("dequantize", nf4_matvec.dequantize_nf4))
     logits = {}
     for interpret in ("0", "1"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
@@ -475,6 +489,14 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
             out.append(step(out[-1].argmax(-1), lengths))
             lengths += 1
         logits[interpret] = torch.stack(out)
+        if interpret == "0":
+            assert calls == {"kernel": 0, "dequantize": 0}
+    layers = loaded.model.spec.num_layers
+    assert calls == (
+        {"kernel": 2 * 4 * layers, "dequantize": 0}
+        if rows == 1
+        else {"kernel": 0, "dequantize": 2 * 7 * layers}
+    )
     assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
 
 
