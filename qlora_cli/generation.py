@@ -51,9 +51,9 @@ class Sampler:
         s = self.sampling
         if s.temperature == 0:
             return logits.argmax(dim=-1)
-        # Each row's best token at 0 and the rest at or below it, so no temperature, however small,
-        # overflows the softmax into inf/nan; a temperature under fp32's smallest normal number would
-        # divide 0 by a value that flushes to zero.
+        # Shifted so each row's best logit is 0 and the rest are negative, no temperature, however
+        # small, can overflow the softmax into inf/nan. The floor at fp32's smallest normal number keeps
+        # the best logit's 0 / temperature from becoming 0 / 0 where denormals flush to zero.
         logits = logits.float()
         temperature = max(s.temperature, torch.finfo(torch.float32).tiny)
         logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
@@ -100,8 +100,9 @@ def generate_ids(
     on_token: TokenCallback | None = None,
     timing: Timing | None = None,
 ) -> list[Completion]:
-    """Decode every prompt (token ids, none empty, each shorter than the model's context) as one batch. on_token(row, id) hears each kept token
-    as it is chosen; timing, when given, receives the prefill and decode times."""
+    """Decode every prompt (token ids, none empty, each shorter than the model's context) as one batch.
+    on_token(row, id) hears each kept token as it is chosen; timing, when given, receives the prefill
+    and decode times."""
     device = engine.decoder.device
     sampler = Sampler(sampling, device)
     limit = engine.max_positions
