@@ -59,24 +59,31 @@ class Conversation:
     system: str | None = None
     turns: list[dict] = dataclasses.field(default_factory=list)
 
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self, turns: list[dict] | None = None) -> list[int]:
         text = self.source.tokenizer.render_chat(
-            with_system(self.turns, self.system), add_generation_prompt=True, **self.source.template_variables
+            with_system(self.turns if turns is None else turns, self.system),
+            add_generation_prompt=True,
+            **self.source.template_variables,
         )
         return self.source.tokenizer.encode(text)
 
-    def fit(self, budget: int, reserve: int) -> tuple[list[int] | None, int]:
-        """The prompt ids, after dropping the oldest turns until `reserve` answer tokens fit in `budget`;
-        also how many turns were dropped. None when the newest message alone does not fit."""
+    def fit(self, message: str, budget: int, reserve: int) -> tuple[list[int] | None, int]:
+        """The prompt ids with `message` as the next user turn, after dropping the oldest turns until
+        `reserve` answer tokens fit in `budget`; also how many turns were dropped. None when the message
+        does not fit even alone, and then the conversation stays as it was."""
+        turns = [*self.turns, {"role": "user", "content": message}]
         dropped = 0
-        ids = self.prompt_ids()
-        while len(ids) + reserve > budget and len(self.turns) > 1:
-            del self.turns[0]
-            while self.turns and self.turns[0]["role"] != "user":
-                del self.turns[0]
+        ids = self.prompt_ids(turns)
+        while len(ids) + reserve > budget and len(turns) > 1:
+            del turns[0]
+            while turns[0]["role"] != "user":
+                del turns[0]
             dropped += 1
-            ids = self.prompt_ids()
-        return (ids if len(ids) < budget else None), dropped
+            ids = self.prompt_ids(turns)
+        if len(ids) >= budget:
+            return None, 0
+        self.turns = turns
+        return ids, dropped
 
 
 def chat(
@@ -124,10 +131,8 @@ def chat(
             continue
         if not text.strip():
             continue
-        conversation.turns.append({"role": "user", "content": text})
-        ids, dropped = conversation.fit(budget, reserve)
+        ids, dropped = conversation.fit(text, budget, reserve)
         if ids is None:
-            conversation.turns.pop()
             console.print(f"(that message does not fit in sequence_len {budget}; send a shorter one)")
             continue
         if dropped:

@@ -243,7 +243,7 @@ SourceArg = Annotated[
 BaseOnlyOption = Annotated[
     bool, typer.Option("--base-only", help="Run the base model alone, without the adapter.")
 ]
-DeviceOption = Annotated[str, typer.Option(help="auto (CUDA when there is one), cuda or cpu.")]
+DeviceOption = Annotated[str, typer.Option(help="auto (CUDA when there is one), cpu, cuda or cuda:N.")]
 MaxNewTokensOption = Annotated[int, typer.Option(help="Most tokens to generate per answer.")]
 TemperatureOption = Annotated[
     float, typer.Option(help="0 picks the likeliest token (greedy); higher samples.")

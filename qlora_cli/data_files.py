@@ -229,7 +229,8 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _json_lines(file: Path, text: str) -> Iterator[Row]:
+def json_lines(file: Path, text: str) -> Iterator[Row]:
+    """Each non-blank line of a JSON Lines text as (where, object), where = 'file:line'."""
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -250,7 +251,7 @@ def _json_rows(file: Path) -> Iterator[Row]:
         raise QLoraError(f"{file}: cannot read ({_one_line(error)})") from None
     if file.suffix == ".jsonl" or not text.lstrip().startswith("["):
         # A .json file that is not a list is read as JSON Lines, as `datasets` does.
-        yield from _json_lines(file, text)
+        yield from json_lines(file, text)
         return
     try:
         items = json.loads(text)

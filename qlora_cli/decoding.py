@@ -3,8 +3,10 @@
 Prefill packs every prompt of the batch into one row, each with positions from 0 and a document of
 its own, and runs the training layers on it (the same kernels, the same numbers), capturing each
 layer's post-RoPE keys and values into the cache. A decode step then feeds one token per row: the
-projections read the 4-bit weights directly (kernels.nf4_matvec) with LoRA as two skinny products,
-and attention reads the row's cached keys up to its own length. Rows keep their own lengths, so
+projections go through kernels.nf4_matvec, which at one row reads the 4-bit codes directly (a Triton
+kernel launch per weight, plus one adding split-K partial sums) and at several rows dequantizes each
+weight and takes cuBLAS (faster on an H200, see that module); LoRA is two skinny products, and
+attention reads the row's cached keys up to its own length. Rows keep their own lengths, so
 prompts of different lengths decode together without padding. On CUDA the step is captured once per
 batch size as a CUDA graph (fixed shapes, the cache preallocated, tokens and positions passed in
 tensors) and replayed; on the CPU it runs eagerly.
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_cli.model import GROUPS, ProjectionGroup, QLoRAModel
+from qlora_kernels._dispatch import use_triton
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
 from qlora_kernels.nf4_matvec import nf4_matvec
 from qlora_kernels.rmsnorm import add_rms_norm
@@ -54,13 +57,14 @@ class DecodeProjection:
     """A projection group for a few rows: the frozen weights read as they are stored, LoRA as
     (x @ A^T) @ B^T with every adapter of the group in one A and one block-diagonal B, scaling folded in.
 
-    On the CPU the NF4 weights are dequantized once here: the reference mat-vec would dequantize them
-    at every step, and the product is the same either way.
+    Where the kernels run on their torch references (the CPU, outside Triton's interpreter) the NF4
+    weights are dequantized once here: the reference mat-vec would dequantize them at every step, and
+    the product is the same either way. Where Triton runs they stay NF4 for nf4_matvec.
     """
 
     def __init__(self, group: ProjectionGroup, dtype: torch.dtype):
         self.weights = [
-            dequantize_nf4(w) if isinstance(w, NF4Weight) and w.packed.device.type == "cpu" else w
+            dequantize_nf4(w) if isinstance(w, NF4Weight) and not use_triton(w.packed) else w
             for w in group.weights
         ]
         self.biases = list(group.biases)

@@ -3,6 +3,7 @@ prompts decoded together, each row ending at a stop token, its token budget or t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ class Sampling:
 
 
 def sampling_problem(sampling: Sampling) -> str | None:
-    if sampling.temperature < 0:
-        return f"--temperature must be 0 (greedy) or more, got {sampling.temperature:g}"
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        return f"--temperature must be 0 (greedy) or a positive number, got {sampling.temperature:g}"
     if not 0 < sampling.top_p <= 1:
         return f"--top-p must be in (0, 1], got {sampling.top_p:g}"
     if sampling.top_k < 0:
@@ -50,7 +51,12 @@ class Sampler:
         s = self.sampling
         if s.temperature == 0:
             return logits.argmax(dim=-1)
-        logits = logits.float() / s.temperature
+        # Shifted so each row's best logit is 0 and the rest are negative, no temperature, however
+        # small, can overflow the softmax into inf/nan. The floor at fp32's smallest normal number keeps
+        # the best logit's 0 / temperature from becoming 0 / 0 where denormals flush to zero.
+        logits = logits.float()
+        temperature = max(s.temperature, torch.finfo(torch.float32).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         if s.top_k and s.top_k < logits.shape[-1]:
             kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -94,14 +100,16 @@ def generate_ids(
     on_token: TokenCallback | None = None,
     timing: Timing | None = None,
 ) -> list[Completion]:
-    """Decode every prompt (token ids, none empty) as one batch. on_token(row, id) hears each kept token
-    as it is chosen; timing, when given, receives the prefill and decode times."""
+    """Decode every prompt (token ids, none empty, each shorter than the model's context) as one batch.
+    on_token(row, id) hears each kept token as it is chosen; timing, when given, receives the prefill
+    and decode times."""
     device = engine.decoder.device
     sampler = Sampler(sampling, device)
     limit = engine.max_positions
     longest = max(len(p) for p in prompts)
     if longest >= limit:
-        raise QLoraError(f"a prompt of {longest} tokens leaves no room in the model's context of {limit}")
+        # Callers refuse such prompts with their own message (prompt_inputs.check_fits, chat's fit).
+        raise ValueError(f"a prompt of {longest} tokens leaves no room in the model's context of {limit}")
     cache, step = engine.prepare(len(prompts), min(limit, longest + sampling.max_new_tokens))
     completions = [Completion(len(p)) for p in prompts]
     lengths = torch.tensor([len(p) for p in prompts], device=device)

@@ -109,6 +109,7 @@ def end_of_turn_id(tokenizer: ChatTokenizer, variables: dict) -> int | None:
 def load_source(source: Path, *, base_only: bool = False, device: str = "auto") -> GenerationSource:
     """Load SOURCE's base model (NF4 when the run quantized it) on `device`, with its adapter."""
     started = time.perf_counter()
+    torch_device = select_device(device, "--device")
     config, checkpoint = find_source(source, base_only=base_only)
     adapter = None
     if checkpoint is not None:
@@ -123,7 +124,6 @@ def load_source(source: Path, *, base_only: bool = False, device: str = "auto") 
     except QLoraError as err:
         raise QLoraError(f"cannot find the base model of {source}: {err}") from None
     tokenizer = chat_tokenizer(config, folder)
-    torch_device = select_device(device)
     model = QLoRAModel.from_pretrained(
         folder,
         quantize=config.quantize,

@@ -7,11 +7,10 @@ with the run's chat template and the generation prompt, as training rendered its
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlora_cli.data_files import json_type
+from qlora_cli.data_files import json_lines, json_type
 from qlora_cli.errors import QLoraError
 from qlora_cli.tokenizer import ChatTokenizer
 
@@ -47,22 +46,13 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     """A .jsonl file, one object per line with `prompt` (a string) or `messages` (a chat)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise QLoraError(f"--prompts {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as err:
         raise QLoraError(f"--prompts {path}: cannot read it ({err})") from None
     prompts = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise QLoraError(f"{where}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise QLoraError(f"{where}: expected an object with 'prompt' or 'messages', got {json_type(row)}")
+    for where, row in json_lines(path, text):
         if "messages" in row:
             prompts.append(Prompt(where, messages=_messages(row["messages"], where)))
         elif isinstance(row.get("prompt"), str):

@@ -6,6 +6,8 @@ lets export rebuild a run's model without importing the training loop.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from qlora_cli.config import TrainConfig
@@ -14,11 +16,21 @@ from qlora_cli.model import LoRAConfig
 from qlora_kernels import triton_setup_error
 
 
-def select_device(name: str) -> torch.device:
+def select_device(name: str, option: str = "config key 'device'") -> torch.device:
+    """The torch device `name` asks for: auto (CUDA when there is one), cpu, cuda or cuda:N; `option`
+    names where the name came from, for the error line."""
     if error := triton_setup_error():
         raise QLoraError(error)
-    if name == "cuda" and not torch.cuda.is_available():
-        raise QLoraError("config key 'device' is 'cuda' but no CUDA device is available")
+    index = re.fullmatch(r"cuda:(\d+)", name)
+    if name not in ("auto", "cpu", "cuda") and index is None:
+        raise QLoraError(f"{option} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QLoraError(f"{option} is {name!r} but no CUDA device is available")
+    if index is not None and int(index[1]) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise QLoraError(
+            f"{option} is {name!r} but there are only {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)

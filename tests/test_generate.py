@@ -10,15 +10,18 @@ import pytest
 import torch
 from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
 
+from qlora_cli import generate_command
 from qlora_cli.checkpoint import save_checkpoint
 from qlora_cli.config import config_from_dict, load_config
 from qlora_cli.decoding import DecodingEngine
+from qlora_cli.errors import QLoraError
 from qlora_cli.export import export
-from qlora_cli.generation import Sampling, generate_ids
+from qlora_cli.generation import Completion, Sampler, Sampling, generate_ids
 from qlora_cli.generation_source import load_source
 from qlora_cli.model import QLoRAModel
 from qlora_cli.settings import lora_config
 from qlora_cli.train import train
+from qlora_kernels import nf4_matvec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,6 +178,14 @@ def test_sampling_repeats_with_its_seed(run, tmp_path, run_cli):
     assert one_choice == greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-3])
+def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.999], [80.0, -80.0, 79.0, 0.0]]) * 1e3
+    for top_p, top_k in [(1.0, 0), (0.9, 2)]:
+        sampler = Sampler(Sampling(temperature=temperature, top_p=top_p, top_k=top_k), torch.device("cpu"))
+        assert sampler(logits).tolist() == [1, 0]
+
+
 def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
     file = tmp_path / "prompts.jsonl"
@@ -192,6 +203,68 @@ def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
     )
     assert code == 0, err
     assert json.loads(out.read_text())["completion"] == rows[1]["completion"]
+
+
+def test_out_is_checked_before_loading_and_keeps_the_rows_of_finished_batches(
+    run, tmp_path, run_cli, monkeypatch
+):
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path, tmp_path / "file" / "out.jsonl"):
+        assert f"cannot write --out {out}" in error_line(
+            run_cli("generate", run, "--prompt", "hi", "--out", out)
+        )
+    real = generate_command.generate_ids
+    batches = []
+
+    def failing_second_batch(*args, **kwargs):
+        batches.append(args[1])
+        if len(batches) == 2:
+            raise QLoraError("the second batch failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_command, "generate_ids", failing_second_batch)
+    out = tmp_path / "rows.jsonl"
+    result = run_cli(
+        "generate", run, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--batch-size", 1, "--out", out
+    )
+    assert result[0] == 2 and "the second batch failed" in result[2]
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [PROMPTS[0]]
+
+
+def test_rows_record_the_system_message_and_the_summary_counts_right(run, tmp_path, run_cli):
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(
+        "generate", run, "--prompt", "hi", "--system", "Be brief.", "--out", out, "--max-new-tokens", 1
+    )
+    assert code == 0, err
+    row = json.loads(out.read_text())
+    assert row["system"] == "Be brief." and row["prompt"] == "hi"
+    tokens = row["completion_tokens"]
+    assert f"1 prompt, {tokens} token{'' if tokens == 1 else 's'} in " in err
+    code, _, err = run_cli(
+        "generate", run, "--prompt", "hi", "--prompt", "ho", "--out", out, "--max-new-tokens", 2
+    )
+    assert code == 0, err
+    assert "2 prompts, " in err
+    assert all("system" not in json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_stdout_holds_each_completion_as_written_and_out_one_row_each(run, tmp_path, run_cli, monkeypatch):
+    """A completion with newlines spans lines of stdout; --out keeps it whole in its row."""
+    tokenizer = load_source(run, device="cpu").tokenizer
+    texts = ["first line\nsecond line", "one line"]
+
+    def written(engine, batch, *args, **kwargs):
+        return [
+            Completion(len(p), tokenizer.encode(text), "stop") for p, text in zip(batch, texts, strict=False)
+        ]
+
+    monkeypatch.setattr(generate_command, "generate_ids", written)
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = run_cli("generate", run, "--prompt", "a", "--prompt", "b", "--out", out)
+    assert code == 0, err
+    assert stdout == "first line\nsecond line\none line\n"
+    assert [json.loads(line)["completion"] for line in out.read_text().splitlines()] == texts
 
 
 def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
@@ -233,18 +306,46 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
     no_field = tmp_path / "no_field.jsonl"
     no_field.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "?"}) + "\n")
     long_prompt = " ".join(f"w{i}" for i in range(600))
+    not_json = tmp_path / "not_json.jsonl"
+    not_json.write_text(json.dumps({"prompt": "ok"}) + "\n\n{oops\n")
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text("[1]\n")
     for args, message in [
         (["--prompts", empty], "holds no prompts"),
-        (["--prompts", no_field], "no_field.jsonl line 2: the row has neither 'prompt' nor 'messages'"),
+        (["--prompts", no_field], f"{no_field}:2: the row has neither 'prompt' nor 'messages'"),
+        (["--prompts", not_json], f"{not_json}:3: not valid JSON (Expecting property name"),
+        (["--prompts", listed], f"{listed}:1: expected a JSON object, got"),
         (["--prompts", tmp_path / "absent.jsonl"], "does not exist"),
         (["--prompt", long_prompt, "--raw"], "more than the model's context"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0"),
+        (
+            ["--prompt", "hi", "--temperature", "nan"],
+            "--temperature must be 0 (greedy) or a positive number, got nan",
+        ),
+        (
+            ["--prompt", "hi", "--temperature", "inf"],
+            "--temperature must be 0 (greedy) or a positive number, got inf",
+        ),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--prompt", "hi", "--raw", "--system", "x"], "--system needs the chat template"),
         (["--prompt", "", "--raw"], "the prompt is empty"),
         ([], "no prompt given"),
     ]:
         assert message in error_line(run_cli("generate", run, *args))
+
+
+def test_bad_devices(run, run_cli):
+    cases = [("gpu", "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"), ("cuda:x", "got 'cuda:x'")]
+    if not torch.cuda.is_available():
+        cases += [
+            ("cuda", "--device is 'cuda' but no CUDA device"),
+            ("cuda:0", "--device is 'cuda:0' but no CUDA"),
+        ]
+    else:
+        cases.append((f"cuda:{torch.cuda.device_count()}", "CUDA device(s), cuda:0 to"))
+    for command in (["generate", run, "--prompt", "hi"], ["chat", run]):
+        for device, message in cases:
+            assert message in error_line(run_cli(*command, "--device", device))
 
 
 def chat_session(run_cli, monkeypatch, source, lines: list[str], *args):
@@ -299,6 +400,21 @@ def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch
     assert too_long == "" and "does not fit in sequence_len 512" in err
 
 
+def test_a_message_too_long_for_chat_keeps_the_conversation(run, tmp_path, run_cli, monkeypatch):
+    too_long = " ".join(["w1"] * 600)
+    stdout, err = chat_session(
+        run_cli, monkeypatch, run, [PROMPTS[1], too_long, PROMPTS[0]], "--max-new-tokens", "12"
+    )
+    assert "does not fit in sequence_len 512" in err and "dropped" not in err
+    first = ours_file(run_cli, run, tmp_path, [{"role": "user", "content": PROMPTS[1]}])
+    history = [
+        {"role": "user", "content": PROMPTS[1]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    assert stdout == f"{first}\n{ours_file(run_cli, run, tmp_path, history)}\n"
+
+
 def cuda_model(run: Path, dtype: torch.dtype) -> tuple[QLoRAModel, set[int], list[list[int]]]:
     """The run's model on CUDA (Triton kernels), its stop ids and the test prompts as ids."""
     loaded = load_source(run, device="cpu")
@@ -341,14 +457,30 @@ def test_cuda_generation_agrees_with_the_cpu_reference(run):
     cpu_engine = DecodingEngine(reference.model)
     cpu_cache, _ = cpu_engine.prepare(len(prompts), 64)
     got, expected = first.prefill(cache, prompts).cpu(), cpu_engine.prefill(cpu_cache, prompts)
-    assert (got - expected).abs().max().item() < 1e-3
+    # The CUDA prefill runs the training Triton kernels, whose fp32 products take TF32 tensor cores
+    # (10-bit mantissas): on the H200 that moved logits of magnitude ~1.5 by up to 1.8e-3, so the bound
+    # is relative to the logits' size rather than absolute.
+    assert (got - expected).abs().max().item() < 5e-3 * expected.abs().max().item()
 
 
-def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch, rows):
     """The prefill and decode steps through the Triton kernels (in the interpreter) give the logits the
-    torch references give: the shapes and strides decoding hands the kernels are ones they take."""
+    torch references give: the shapes and strides decoding hands the kernels are ones they take. One
+    row takes nf4_matvec's kernel on the NF4 codes, several rows its dequantize + matmul."""
     loaded = load_source(run, device="cpu")
-    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:2]]
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:rows]]
+    calls = {"kernel": 0, "dequantize": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(nf4_matvec, "_nf4_matvec_triton", counted("kernel", nf4_matvec._nf4_matvec_triton))
+    monkeypatch.setattr(nf4_matvec, "dequantize_nf4", counted("dequantize", nf4_matvec.dequantize_nf4))
     logits = {}
     for interpret in ("0", "1"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
@@ -360,6 +492,14 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch):
             out.append(step(out[-1].argmax(-1), lengths))
             lengths += 1
         logits[interpret] = torch.stack(out)
+        if interpret == "0":
+            assert calls == {"kernel": 0, "dequantize": 0}
+    layers = loaded.model.spec.num_layers
+    assert calls == (
+        {"kernel": 2 * 4 * layers, "dequantize": 0}
+        if rows == 1
+        else {"kernel": 0, "dequantize": 2 * 7 * layers}
+    )
     assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
 
 
