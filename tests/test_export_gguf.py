@@ -389,3 +389,68 @@ def test_a_template_that_is_not_chatml_gets_no_ollama_template():
 def test_cli_help_names_the_gguf_options(run_cli):
     code, out, _ = run_cli("export", "--help")
     assert code == 0 and "--gguf-type" in out and "bf16" in out and "q8_0" in out
+
+
+def _ollama_argument(text: str) -> str | None:
+    """The argument Ollama's Modelfile parser reads from the start of `text`: the text up to the first
+    space or line break where it is a whole quoted (or bare) value, without its quotes; None if none is."""
+    ends = [i for i, c in enumerate(text) if c in " \t\r\n"] + [len(text)]
+    for end in ends:
+        value = text[:end].strip()
+        if value.startswith('"""'):
+            if len(value) >= 6 and value.endswith('"""'):
+                return value[3:-3]
+        elif value.startswith('"'):
+            if len(value) >= 2 and value.endswith('"'):
+                return value[1:-1]
+        elif value:
+            return value
+    return None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Answer briefly.",
+        'Say "hi" when greeted.',
+        'Fence code in """ like this.',
+        'Ends in """',
+        '"" opens it',
+        '" then a space',
+        'one\n"""\nper line',
+        "<|im_end|>",
+        'a" b',
+        '"""',
+    ],
+)
+def test_quoted_modelfile_arguments_read_back_or_are_refused(text):
+    from qlora_cli.ollama import quote
+
+    for marks in [('"""', '"'), ('"', '"""')]:
+        quoted = quote(text, marks)
+        if quoted is None:
+            assert all(_ollama_argument(m + text + m + "\nNEXT") != text for m in marks)
+        else:
+            assert _ollama_argument(quoted + "\nPARAMETER x") == text
+
+
+def _with_system_prompt(system: str) -> ChatTokenizer:
+    base = ChatTokenizer.from_folder(REPO_ROOT / "configs" / "demo" / "tiny-qwen3")
+    template = (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + system + "<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant{{ '\\n' }}"  # Jinja drops a template's last line break
+    )
+    return base.with_chat_template(template, "test")
+
+
+def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
+    from qlora_cli.ollama import modelfile
+
+    holdable = 'Quote "like this" and fence with """'
+    text = modelfile("m.gguf", _with_system_prompt(holdable))
+    (line,) = [line for line in text.splitlines() if line.startswith("SYSTEM ")]
+    assert _ollama_argument(line.removeprefix("SYSTEM ")) == holdable
+    text = modelfile("m.gguf", _with_system_prompt('Fence code in """ like this.'))
+    assert "SYSTEM" not in text and "# Left out: the default system prompt" in text
+    assert "TEMPLATE" in text and 'PARAMETER stop "<|im_end|>"' in text
