@@ -11,11 +11,11 @@ prose. The same seed writes the same rows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 from pathlib import Path
+
+from benchmarks.rows import rows_command, write_jsonl
 
 COMMON_WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but "
@@ -61,20 +61,11 @@ def alpaca_rows(rows: int, seed: int = 0) -> list[dict]:
 
 
 def write_rows(out: Path, rows: int, seed: int = 0) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for row in alpaca_rows(rows, seed):
-            f.write(json.dumps(row) + "\n")
-    return out
+    return write_jsonl(out, alpaca_rows(rows, seed))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(write_rows(args.out, args.rows, args.seed))
+    rows_command(__doc__.splitlines()[0], write_rows)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from benchmarks.bnb import load_nf4_model
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
 
@@ -105,26 +106,13 @@ def run_qlora(args, graphs: bool) -> dict:
 
 def run_hf(args, liger: bool) -> dict:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
         apply_liger_kernel_to_qwen2()
     start = time.perf_counter()
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        args.checkpoint,
-        quantization_config=quantization,
-        dtype=torch.bfloat16,
-        device_map={"": args.device},
-        attn_implementation="sdpa",
-    )
+    model = load_nf4_model(args.checkpoint, args.device)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing != "false")
     # That call casts embeddings, norms and biases to fp32; trainers (Axolotl among them) cast them back,
     # so the baseline computes in bf16 as users run it.

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bnb import load_nf4_model
 from benchmarks.output import add_json_option, write_json
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -144,21 +145,8 @@ def hf_peft_bnb_decode(
     import bitsandbytes
     import peft
     import transformers
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        quantization_config=quantization,
-        dtype=torch.bfloat16,
-        device_map={"": device},
-        attn_implementation="sdpa",
-    )
+    model = load_nf4_model(model_dir, device)
     model, lora = attach_lora(model, adapter_dir)
     model.eval()
     result = time_generation(model, batch, prompt_len, new_tokens, device)

@@ -10,10 +10,10 @@ pack into full 2048-token sequences, so every micro-batch has the same shape.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from pathlib import Path
+
+from benchmarks.rows import rows_command, write_jsonl
 
 WORDS = [
     f"{a}{b}"
@@ -24,22 +24,16 @@ WORDS = [
 
 def write_rows(out: Path, rows: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for _ in range(rows):
-            words = rng.choices(WORDS, k=rng.randint(8, 40))
-            row = {"prompt": "reverse: " + " ".join(words) + "\n", "completion": " ".join(reversed(words))}
-            f.write(json.dumps(row) + "\n")
-    return out
+
+    def row() -> dict:
+        words = rng.choices(WORDS, k=rng.randint(8, 40))
+        return {"prompt": "reverse: " + " ".join(words) + "\n", "completion": " ".join(reversed(words))}
+
+    return write_jsonl(out, (row() for _ in range(rows)))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(write_rows(args.out, args.rows, args.seed))
+    rows_command(__doc__.splitlines()[0], write_rows)
 
 
 if __name__ == "__main__":

@@ -87,27 +87,47 @@ def document_block_mask(
 ):
     """FlexAttention's BlockMask for causal attention within documents, built from the document
     starts with tensor ops alone (no mask evaluation over S x S, no host sync, so a CUDA graph can
-    capture it). Query block m reads the key blocks from its first query's document start up to m;
-    documents are contiguous, so that first query's start is the earliest in the block."""
+    capture it).
+
+    Query block m reads the key blocks from its first query's document start up to m; documents are
+    contiguous, so that first query's start is the earliest in the block. Of those, the blocks below
+    the diagonal from its last query's document start on are full: every pair in them is allowed, so
+    the kernel skips the mask function there. The rest (across a document start, and the diagonal)
+    are partial, where it evaluates it."""
     from torch.nn.attention.flex_attention import BlockMask
 
     n_blocks = -(-seq_len // block)
     blocks = torch.arange(n_blocks, device=device, dtype=torch.int32)
     if doc_ids is None:
-        first = torch.zeros(batch, n_blocks, device=device, dtype=torch.int32)
+        first = full_first = torch.zeros(batch, n_blocks, device=device, dtype=torch.int32)
 
         def allowed(b, h, q, kv):
             return q >= kv
     else:
-        first = _document_bounds(doc_ids)[0][:, ::block] // block
+        starts = _document_bounds(doc_ids)[0]
+        first = starts[:, ::block] // block
+        last_query = (blocks * block + block - 1).clamp(max=seq_len - 1)
+        full_first = (starts[:, last_query] + block - 1) // block
 
         def allowed(b, h, q, kv):
             return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
 
-    count = (blocks - first + 1).to(torch.int32)
-    indices = torch.where(blocks < count[..., None], first[..., None] + blocks, 0).to(torch.int32)
+    # Partial: [first, lo) and the diagonal m; full: [lo, m), where lo = min(full_first, m).
+    lo = torch.minimum(full_first, blocks)
+    j = blocks  # the slot in a row of indices
+    before = (lo - first)[..., None]
+    partial_count = (before[..., 0] + 1).to(torch.int32)
+    partial = torch.where(j < before, first[..., None] + j, torch.where(j == before, blocks[:, None], 0))
+    full_count = (blocks - lo).to(torch.int32)
+    full = torch.where(j < full_count[..., None], lo[..., None] + j, 0)
     return BlockMask.from_kv_blocks(
-        count[:, None], indices[:, None], BLOCK_SIZE=block, mask_mod=allowed, seq_lengths=(seq_len, seq_len)
+        partial_count[:, None],
+        partial.to(torch.int32)[:, None],
+        full_count[:, None],
+        full.to(torch.int32)[:, None],
+        BLOCK_SIZE=block,
+        mask_mod=allowed,
+        seq_lengths=(seq_len, seq_len),
     )
 
 

@@ -185,7 +185,9 @@ class Distributed:
         """The module a training step calls: the loss, under DDP when there are several ranks.
 
         Only LoRA (and trained norm) weights are parameters that need gradients; frozen NF4 weights are
-        plain attributes DDP never sees. Every trainable parameter is used in every forward.
+        plain attributes DDP never sees. Every trainable parameter is used in every forward. Buffers are
+        not broadcast: RoPE's inverse frequencies are the same on every rank, and the LoRA dropout seed
+        must stay each rank's own (it names the micro-batch the rank reads).
         """
         module = LossModule(model)
         if not self.active:
@@ -194,6 +196,7 @@ class Distributed:
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=False,
+            broadcast_buffers=False,
         )
 
     def accumulating(self, module: nn.Module, last: bool):

@@ -293,8 +293,10 @@ class QLoRAModel(nn.Module):
         self.lm_head: torch.Tensor | None = None
         self.checkpoint_layers = checkpoint_layers
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
-        # Not a buffer: DDP would overwrite every rank's seed with rank 0's.
-        self.dropout_seed = torch.zeros(1, dtype=torch.int64)
+        # Each rank writes its own micro-batch's seed here, so DDP must not broadcast buffers
+        # (qlora_cli/distributed.py). A buffer so that `model.to(device)` moves it; not persistent:
+        # it is no state, each micro-batch sets it.
+        self.register_buffer("dropout_seed", torch.zeros(1, dtype=torch.int64), persistent=False)
 
     def set_dropout_seed(self, seed: int) -> None:
         """The seed of the next micro-batch's LoRA dropout masks, written on the device in place, so
@@ -311,7 +313,7 @@ class QLoRAModel(nn.Module):
             model = cls(spec, lora, **options)
         model.to_empty(device=device)
         model.inv_freq = rope_inv_freq(spec, device)
-        model.dropout_seed = torch.zeros(1, dtype=torch.int64, device=device)
+        model.dropout_seed.zero_()
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in model.layers:
             for group in layer.projections.values():

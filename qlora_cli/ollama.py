@@ -58,8 +58,24 @@ def chatml_system(tokenizer: ChatTokenizer) -> tuple[bool, str | None]:
     return False, None
 
 
-def _quote(text: str) -> str:
-    return '"""' + text + '"""'
+_WHITESPACE = " \t\r\n"
+_UNQUOTABLE = "# Left out: the {}, whose quotes before a space or line break no Modelfile quoting holds."
+
+
+def quote(text: str, marks: tuple[str, ...] = ('"""', '"')) -> str | None:
+    """`text` as a quoted Modelfile argument that Ollama reads back as `text`, with the first of `marks`
+    that can hold it; None where none can.
+
+    Modelfiles have no escapes: a quoted argument ends at the first space or line break that follows
+    its closing mark. So a mark holds text in which that mark never precedes whitespace, and `"` also
+    needs text that does not open with `""` (read as the opening of a triple quote).
+    """
+    for mark in marks:
+        opens_triple = mark == '"' and text.startswith('""')
+        ends_early = any(c in _WHITESPACE and text[:i].endswith(mark) for i, c in enumerate(text))
+        if not opens_triple and not ends_early:
+            return mark + text + mark
+    return None
 
 
 def modelfile(gguf_name: str, tokenizer: ChatTokenizer) -> str:
@@ -69,13 +85,16 @@ def modelfile(gguf_name: str, tokenizer: ChatTokenizer) -> str:
     lines = [f"FROM ./{gguf_name}"]
     stops = [tokenizer.eos_token]
     if is_chatml:
-        lines.append(f"TEMPLATE {_quote(CHATML_TEMPLATE)}")
+        lines.append(f"TEMPLATE {quote(CHATML_TEMPLATE)}")
         if system is not None:
-            lines.append(f"SYSTEM {_quote(system)}")
+            quoted = quote(system)
+            lines.append(f"SYSTEM {quoted}" if quoted else _UNQUOTABLE.format("default system prompt"))
         stops = [END, *(token for token in stops if token != END)]
     else:
         lines.insert(
             0, "# The chat template is not plain ChatML; Ollama derives one from the GGUF's chat template."
         )
-    lines += [f'PARAMETER stop "{token}"' for token in stops]
+    for token in stops:
+        quoted = quote(token, ('"', '"""'))
+        lines.append(f"PARAMETER stop {quoted}" if quoted else _UNQUOTABLE.format(f"stop token {token!r}"))
     return "\n".join(lines) + "\n"

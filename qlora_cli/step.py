@@ -8,6 +8,7 @@ bit and lets the profiler time exactly the step that training runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -47,8 +48,13 @@ def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
 def dropout_seed(run_seed: int, micro_batch: int) -> int:
     """The LoRA dropout seed of global micro-batch `micro_batch`: a pure function of the run's seed
     and the micro-batch, so masks differ from micro-batch to micro-batch (and rank to rank, which
-    read other micro-batches) and a resumed run draws the ones it would have drawn."""
-    return (run_seed % (1 << 31)) << 32 | (micro_batch % (1 << 32))
+    read other micro-batches) and a resumed run draws the ones it would have drawn.
+
+    The high 32 bits hash the whole run seed (any int, negative or past 32 bits); the low 32 are the
+    micro-batch. The result is that 64-bit word as a signed int64, what the seed tensor holds."""
+    digest = hashlib.blake2b(str(run_seed).encode(), digest_size=4).digest()
+    word = int.from_bytes(digest, "little") << 32 | (micro_batch % (1 << 32))
+    return word - (1 << 64) if word >= 1 << 63 else word
 
 
 def micro_batch_backward(

@@ -1,8 +1,8 @@
 """The training loop: step, log, evaluate, checkpoint, and stop cleanly.
 
-`_train` reads as the run's sequence: build it, restore or seed it, then for each optimizer step run
-it (qlora_cli/step.py), fold it into the metrics window, evaluate when due, log, checkpoint when due,
-and stop on a signal. Each of those is a named piece below.
+`_train` reads as the run's sequence: build it, restore it when resuming, then for each optimizer step
+run it (qlora_cli/step.py), fold it into the metrics window, evaluate when due, log, checkpoint when
+due, and stop on a signal. Each of those is a named piece below.
 """
 
 from __future__ import annotations
@@ -136,25 +136,13 @@ class MetricWindow:
         return record
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state().tolist()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
-
-
 def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
-    """Rank 0 writes the checkpoint, with every rank's RNG state and the tracker runs' ids; the others
-    wait until it is written."""
+    """Rank 0 writes the checkpoint, with the tracker runs' ids; the others wait until it is written.
+
+    No RNG state: training draws nothing from torch's generators (LoRA dropout hashes a seed made from
+    the run's seed and the micro-batch, qlora_cli/step.py), so the step alone places a resumed run."""
     plan, dist = run.train_plan, run.dist
     epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
-    rng = dist.all_gather_json(_rng_state(run.device))
     state = {
         "step": step,
         "total_steps": run.total_steps,
@@ -162,7 +150,6 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "batch_index": index,
         "world_size": dist.world_size,
         "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
-        "rng": rng,
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
         "metrics": metrics[-100:],
         "trackers": trackers.state(),
@@ -260,7 +247,7 @@ def _train(
         check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
-        start, metrics, tracker_state = _restore_or_seed(run, resume_from, out)
+        start, metrics, tracker_state = _restore(run, resume_from, out)
         if dist.is_main:
             trackers.start(output_dir, start, tracker_state, warn=out.print)
         _announce(run, trackers, out)
@@ -299,14 +286,12 @@ def _train(
     return TrainResult(output_dir, run.total_steps, loss, last_checkpoint, startup)
 
 
-def _restore_or_seed(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
+def _restore(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
     """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
-    fresh seeded start."""
+    fresh start's. An "rng" entry that older checkpoints hold is not read: nothing draws from it."""
     if resume_from is None:
-        torch.manual_seed(run.config.seed + run.dist.rank)
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
-    _set_rng_state(state["rng"][run.dist.rank], run.device)
     out.print(f"resuming from {resume_from} at step {state['step']}")
     return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
 

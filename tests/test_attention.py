@@ -153,6 +153,26 @@ def test_flex_block_mask_lists_exactly_the_blocks_with_allowed_pairs(with_docs, 
     grid[:, :seq_len, :seq_len] = allowed
     needed = grid.unflatten(1, (-1, block)).unflatten(3, (-1, block)).any(dim=4).any(dim=2)
     assert torch.equal(mask.to_dense()[:, 0].bool(), needed)
+    # Full (the mask function skipped): below the diagonal with every real pair allowed; the rest partial.
+    grid[:, seq_len:, :] = True
+    grid[:, :, seq_len:] = True
+    every = grid.unflatten(1, (-1, block)).unflatten(3, (-1, block)).all(dim=4).all(dim=2)
+    full = every & torch.ones_like(every).tril(-1)
+    assert full.any() and (needed & ~full).any()
+    assert _block_lists(mask.full_kv_num_blocks, mask.full_kv_indices) == _block_sets(full)
+    assert _block_lists(mask.kv_num_blocks, mask.kv_indices) == _block_sets(needed & ~full)
+
+
+def _block_lists(counts, indices):
+    """Per (row of the batch, query block), the key blocks a BlockMask lists (one head)."""
+    return [
+        [indices[b, 0, m, : counts[b, 0, m]].tolist() for m in range(counts.shape[2])]
+        for b in range(counts.shape[0])
+    ]
+
+
+def _block_sets(dense):
+    return [[torch.nonzero(row).flatten().tolist() for row in rows] for rows in dense]
 
 
 def test_flex_backend_takes_the_reference_on_the_cpu():

@@ -109,7 +109,8 @@ def test_torchrun_environment_must_be_complete(monkeypatch):
 @pytest.mark.parametrize(
     "accumulation, settings",
     [
-        (1, dict(sample_packing=True, save_steps=2)),
+        # With dropout: each rank keeps the seed of its own micro-batch (DDP broadcasts no buffers).
+        (1, dict(sample_packing=True, save_steps=2, lora_dropout=0.1)),
         (
             2,
             dict(
@@ -155,7 +156,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(
         assert "memory_gib_per_rank" not in a and len(b["memory_gib_per_rank"]) == 2
     state = _state(two / "checkpoint-4")
     assert state["world_size"] == 2 and state["batch_index"] == _state(one.checkpoint)["batch_index"]
-    assert len(state["rng"]) == 2 and state["rng"][0] != state["rng"][1]
+    assert "rng" not in state
     assert (two / "adapter_model.safetensors").is_file()
 
 
@@ -163,8 +164,8 @@ def test_a_signal_on_one_rank_stops_every_rank_and_resume_equals_the_uninterrupt
     tmp_path, monkeypatch, capfd
 ):
     """A SIGTERM that only rank 1 sees during step 3 of 6 stops both ranks after step 3 with a checkpoint;
-    `resume` under 2 processes then ends where 6 uninterrupted steps end, loss for loss (dropout draws
-    from each rank's own restored RNG)."""
+    `resume` under 2 processes then ends where 6 uninterrupted steps end, loss for loss (each rank's
+    dropout masks come from the seed of the micro-batch it reads, not from restored state)."""
     settings = dict(max_steps=6, gradient_accumulation_steps=2, lora_dropout=0.1, sample_packing=True)
     whole = _torchrun("train", write_run(tmp_path / "whole", **settings))
     assert whole.returncode == 0, whole.stderr

@@ -8,16 +8,9 @@ The tiny Qwen3 here has head_dim 128: transformers' GGUF loader does not read qw
 and takes Qwen3Config's default head_dim, 128 (every released Qwen3's). llama.cpp does read it; the
 llama.cpp test below runs the demo model, whose head_dim (32) is hidden_size / heads.
 
-By hand once, llama-cpp-python 0.3.36 built from source on this 2-core CPU machine
-(`pip install llama-cpp-python`), on the demo trained 20 steps:
-    qlora train configs/demo.yaml --set output_dir=/tmp/demo --set max_steps=20 --set save_steps=20
-    qlora export /tmp/demo --out /tmp/demo-merged --merged
-    qlora export /tmp/demo --out /tmp/demo-gguf --gguf            # and --gguf-type q8_0
-then greedy decoding of three chat prompts ("Give me three colors.", "What is the capital of France?",
-"Write a haiku about rain."; up to 32 new tokens) with llama_cpp.Llama on the GGUF gave the same tokens
-as transformers' generate(do_sample=False) on the merged export, for bf16 and for q8_0 (26, 32 and 26
-tokens, two of them ending in <|im_end|>). test_llama_cpp_generates_what_transformers_does repeats
-that check for one prompt; it skips where llama_cpp is not installed.
+llama.cpp itself is the reader that matters; test_llama_cpp_generates_what_transformers_does checks
+greedy tokens against transformers' on the --merged export where llama_cpp is installed, and skips
+elsewhere.
 """
 
 import json
@@ -389,3 +382,68 @@ def test_a_template_that_is_not_chatml_gets_no_ollama_template():
 def test_cli_help_names_the_gguf_options(run_cli):
     code, out, _ = run_cli("export", "--help")
     assert code == 0 and "--gguf-type" in out and "bf16" in out and "q8_0" in out
+
+
+def _ollama_argument(text: str) -> str | None:
+    """The argument Ollama's Modelfile parser reads from the start of `text`: the text up to the first
+    space or line break where it is a whole quoted (or bare) value, without its quotes; None if none is."""
+    ends = [i for i, c in enumerate(text) if c in " \t\r\n"] + [len(text)]
+    for end in ends:
+        value = text[:end].strip()
+        if value.startswith('"""'):
+            if len(value) >= 6 and value.endswith('"""'):
+                return value[3:-3]
+        elif value.startswith('"'):
+            if len(value) >= 2 and value.endswith('"'):
+                return value[1:-1]
+        elif value:
+            return value
+    return None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Answer briefly.",
+        'Say "hi" when greeted.',
+        'Fence code in """ like this.',
+        'Ends in """',
+        '"" opens it',
+        '" then a space',
+        'one\n"""\nper line',
+        "<|im_end|>",
+        'a" b',
+        '"""',
+    ],
+)
+def test_quoted_modelfile_arguments_read_back_or_are_refused(text):
+    from qlora_cli.ollama import quote
+
+    for marks in [('"""', '"'), ('"', '"""')]:
+        quoted = quote(text, marks)
+        if quoted is None:
+            assert all(_ollama_argument(m + text + m + "\nNEXT") != text for m in marks)
+        else:
+            assert _ollama_argument(quoted + "\nPARAMETER x") == text
+
+
+def _with_system_prompt(system: str) -> ChatTokenizer:
+    base = ChatTokenizer.from_folder(REPO_ROOT / "configs" / "demo" / "tiny-qwen3")
+    template = (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + system + "<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant{{ '\\n' }}"  # Jinja drops a template's last line break
+    )
+    return base.with_chat_template(template, "test")
+
+
+def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
+    from qlora_cli.ollama import modelfile
+
+    holdable = 'Quote "like this" and fence with """'
+    text = modelfile("m.gguf", _with_system_prompt(holdable))
+    (line,) = [line for line in text.splitlines() if line.startswith("SYSTEM ")]
+    assert _ollama_argument(line.removeprefix("SYSTEM ")) == holdable
+    text = modelfile("m.gguf", _with_system_prompt('Fence code in """ like this.'))
+    assert "SYSTEM" not in text and "# Left out: the default system prompt" in text
+    assert "TEMPLATE" in text and 'PARAMETER stop "<|im_end|>"' in text

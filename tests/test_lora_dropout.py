@@ -1,9 +1,11 @@
 """LoRA dropout in training: masks drawn from a seed per micro-batch, repeated by every recompute,
 and read on the device, so a CUDA graph replays a new mask each micro-batch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from checkpoints import write_run
+from checkpoints import QWEN25_7B, write_run
 
 import qlora_cli.model as model_module
 from qlora_cli.config import load_config
@@ -16,9 +18,32 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_seeds_differ_between_micro_batches_and_runs():
-    seeds = {dropout_seed(run_seed, index) for run_seed in (0, 3, -1) for index in range(50)}
-    assert len(seeds) == 150
-    assert all(0 <= seed < 2**63 for seed in seeds)
+    """Run seeds that agree in their low 31 or 32 bits still draw other masks."""
+    run_seeds = (0, 3, -1, 2**31, 3 + 2**31, 2**32, 2**32 - 1, 2**40)
+    seeds = {dropout_seed(run_seed, index) for run_seed in run_seeds for index in range(50)}
+    assert len(seeds) == 50 * len(run_seeds)
+    assert all(-(2**63) <= seed < 2**63 for seed in seeds)
+    torch.tensor(sorted(seeds), dtype=torch.int64)  # every seed fits the seed tensor
+
+
+def test_dropout_seed_moves_with_the_model_and_stays_out_of_its_state():
+    """A buffer, so `to()` moves it; not persistent, so no state dict or checkpoint holds it."""
+    spec = replace(
+        QWEN25_7B,
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    model = model_module.QLoRAModel.on_device(spec, model_module.LoRAConfig(r=2, alpha=4), "cpu")
+    assert model.dropout_seed.item() == 0
+    model.set_dropout_seed(dropout_seed(7, 1))
+    assert model.dropout_seed.item() == dropout_seed(7, 1)
+    assert "dropout_seed" not in model.state_dict()
+    model.to("meta")
+    assert model.dropout_seed.is_meta
 
 
 def test_masks_differ_between_micro_batches_and_recompute_repeats_them(tmp_path, monkeypatch, reference_ops):

@@ -125,7 +125,8 @@ def test_resume_is_exact(tmp_path, packing, one_thread):
     )
     whole = _run(tmp_path, "whole", max_steps=6, **common)
     half = _run(tmp_path, "half", max_steps=3, **common)
-    # A fresh process: nothing of the first run's state (its RNG above all) survives but the checkpoint.
+    # A fresh process: nothing of the first run survives but the checkpoint (dropout masks included:
+    # they come from the run's seed and the micro-batch, not from state carried over).
     proc = _cli("resume", str(half.output_dir), "--set", "max_steps=6")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
@@ -145,6 +146,17 @@ def test_resume_chooses_a_given_checkpoint(tmp_path):
     resumed = resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2")
     assert resumed.step == 4
     assert [s for s, _ in _losses(result.output_dir)] == [1, 2, 3, 4]
+
+
+def test_resume_reads_an_older_checkpoint_that_holds_rng_state(tmp_path):
+    """Checkpoints written before training stopped saving RNG state carry an "rng" entry; resume ignores it."""
+    result = _run(tmp_path, "run", max_steps=4, save_steps=2)
+    state_file = result.output_dir / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert "rng" not in state
+    state["rng"] = [{"cpu": [0] * 8}]
+    state_file.write_text(json.dumps(state))
+    assert resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2").step == 4
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
