@@ -194,6 +194,21 @@ class DataConfig(Protocol):
     chat_template_kwargs: dict
     dataset_exact_deduplication: bool
     excess_length_strategy: str
+    special_tokens: object
+
+
+def run_tokenizer(folder: Path, config: DataConfig) -> ChatTokenizer:
+    """The base's tokenizer with the config's special_tokens: what training renders and packs with."""
+    tokenizer = ChatTokenizer.from_folder(folder)
+    tokenizer.use_special_tokens(**dataclasses.asdict(config.special_tokens))
+    return tokenizer
+
+
+def dataset_template(tokenizer: ChatTokenizer, dataset, config: DataConfig) -> ChatTokenizer:
+    """The tokenizer rendering `dataset`: its own chat template where it sets one, else the config's."""
+    if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
+        return choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
+    return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
 
 
 @dataclass
@@ -263,10 +278,7 @@ def _load_all(
     """Each dataset's examples, and the entries as pinned_dataset saves them."""
     loaded, pinned = [], []
     for dataset in datasets:
-        if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
-            chosen = choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
-        else:
-            chosen = choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+        chosen = dataset_template(tokenizer, dataset, config)
         local = local_dataset(dataset)
         examples = load_examples(
             local,

@@ -4,7 +4,6 @@ as training did, and the stop tokens of a turn."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from qlora_cli.adapter import load_adapter_state
 from qlora_cli.chat_templates import choose_template
 from qlora_cli.checkpoint import STATE_FILE, read_checkpoint_config
 from qlora_cli.config import TrainConfig, load_config
+from qlora_cli.data import dataset_template, run_tokenizer
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import resolve_model
 from qlora_cli.model import QLoRAModel
@@ -81,15 +81,11 @@ def _checkpoint_of(output_dir: Path) -> Path | None:
 
 
 def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:
-    """The base's tokenizer with the run's special tokens and the chat template its data rendered with:
-    a dataset's own template where the first one sets it, else the config's."""
-    tokenizer = ChatTokenizer.from_folder(folder)
-    tokenizer.use_special_tokens(**dataclasses.asdict(config.special_tokens))
-    name, jinja = config.chat_template, config.chat_template_jinja
-    first = config.datasets[0] if config.datasets else None
-    if first is not None and (first.chat_template is not None or first.chat_template_jinja is not None):
-        name, jinja = first.chat_template, first.chat_template_jinja
-    return choose_template(tokenizer, name, jinja)
+    """The run's tokenizer with the chat template its (first) dataset rendered with."""
+    tokenizer = run_tokenizer(folder, config)
+    if not config.datasets:
+        return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+    return dataset_template(tokenizer, config.datasets[0], config)
 
 
 def end_of_turn_id(tokenizer: ChatTokenizer, variables: dict) -> int | None:

@@ -16,7 +16,7 @@ import torch
 
 from qlora_cli.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.config import TrainConfig
-from qlora_cli.data import BatchPlan, prepare_data
+from qlora_cli.data import BatchPlan, prepare_data, run_tokenizer
 from qlora_cli.distributed import Distributed
 from qlora_cli.errors import QLoraError
 from qlora_cli.graphs import GraphedLoss, graphed_loss_for
@@ -25,7 +25,6 @@ from qlora_cli.memory import layers_to_checkpoint, offloads_activations
 from qlora_cli.model import QLoRAModel
 from qlora_cli.rundir import check_free_space, space_needed
 from qlora_cli.settings import compute_dtype, lora_config, select_device
-from qlora_cli.tokenizer import ChatTokenizer
 from qlora_cli.weights import read_spec
 
 
@@ -107,8 +106,7 @@ def build_run(
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
             f"of {spec.max_position_embeddings} (max_position_embeddings)"
         )
-    tokenizer = ChatTokenizer.from_folder(folder)
-    tokenizer.use_special_tokens(**dataclasses.asdict(config.special_tokens))
+    tokenizer = run_tokenizer(folder, config)
     notes = list(config.notes)
     start_adapter = None
     if config.lora_model_dir is not None:
