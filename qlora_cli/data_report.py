@@ -15,7 +15,15 @@ from rich.table import Table
 from rich.text import Text
 
 from qlora_cli.config import TrainConfig
-from qlora_cli.data import IGNORE_INDEX, BatchPlan, Example, ExampleList, dropped_text, prepare_data
+from qlora_cli.data import (
+    IGNORE_INDEX,
+    BatchPlan,
+    Example,
+    ExampleList,
+    dropped_text,
+    prepare_data,
+    run_tokenizer,
+)
 from qlora_cli.errors import QLoraError
 from qlora_cli.hub import resolve_tokenizer
 from qlora_cli.tokenizer import ChatTokenizer
@@ -94,7 +102,7 @@ def data_report(config: TrainConfig) -> DataReport:
                 f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
                 f"of {spec.max_position_embeddings} (max_position_embeddings)"
             )
-    tokenizer = ChatTokenizer.from_folder(folder)
+    tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)
     plan = BatchPlan(
         data.train,

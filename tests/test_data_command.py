@@ -116,3 +116,14 @@ def test_bad_data_input_is_one_line_and_exit_2(
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
     assert out == ""
+
+
+def test_data_takes_the_special_tokens_training_takes(tmp_path, run_cli, tokenizer_only_model):
+    """The preview renders and pads with the config's special_tokens, and refuses the ones training refuses."""
+    config = write_config(tmp_path, tokenizer_only_model, special_tokens={"pad_token": "<|im_start|>"})
+    report = data_report(load_config(config))
+    assert report.tokenizer.pad_token_id == report.tokenizer.token_to_id("<|im_start|>")
+    code, _, err = run_cli("data", config, "--set", "special_tokens.pad_token=<|end_of_text|>")
+    assert code == 2
+    assert "config key 'special_tokens.pad_token': '<|end_of_text|>' is not in the vocabulary" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
