@@ -59,11 +59,11 @@ def _sync(device: str) -> None:
 
 
 def run_qlora(args, graphs: bool) -> dict:
-    from qlora_cli.graphs import GraphedLoss
-    from qlora_cli.memory import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
-    from qlora_cli.model import LoRAConfig, QLoRAModel
-    from qlora_cli.step import clear_gradients, micro_batch_backward
-    from qlora_cli.weights import read_spec
+    from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+    from qlora_cli.model.planner import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
+    from qlora_cli.sources.weights import read_spec
+    from qlora_cli.train.graphs import GraphedLoss
+    from qlora_cli.train.step import clear_gradients, micro_batch_backward
 
     spec = read_spec(args.checkpoint)
     setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
@@ -226,7 +226,7 @@ def main() -> None:
         parser.error("--checkpointing auto needs --budget-gb")
     if args.worker:
         if args.worker.startswith("qlora"):
-            from qlora_cli.allocator import prefer_expandable_segments
+            from qlora_cli.core.allocator import prefer_expandable_segments
 
             prefer_expandable_segments()
         if args.memory_cap_gb and args.device == "cuda":

@@ -138,7 +138,7 @@ def run_unsloth(args, checkpoint: Path) -> dict:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from qlora_cli.prompts import ALPACA_STYLES, ALPACA_SYSTEM, ALPACA_SYSTEM_NO_INPUT
+    from qlora_cli.data.prompts import ALPACA_STYLES, ALPACA_SYSTEM, ALPACA_SYSTEM_NO_INPUT
 
     config = _config(args)
     seq = config.get("sequence_len", 2048)

@@ -32,9 +32,9 @@ from benchmarks.generate_baselines import LORA_ALPHA, LORA_RANK, WARMUP_TOKENS, 
 from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import write_checkpoint
 from benchmarks.shapes import QWEN25
-from qlora_cli.decoding import DecodingEngine
-from qlora_cli.generation import Sampling, generate_ids
-from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.generate.decoding import DecodingEngine
+from qlora_cli.generate.sampling import Sampling, generate_ids
+from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
 
 LABELS = {"qlora": "qlora", "hf": "HF+PEFT+bnb", "unsloth": "Unsloth"}
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.shapes import QWEN25, qwen25_config
-from qlora_cli.weights import spec_from_config
+from qlora_cli.sources.weights import spec_from_config
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "tiny-qwen3"
 SHARD_BYTES = 4 << 30

@@ -4,7 +4,7 @@ Usage: python -m benchmarks.scaling CHECKPOINT DATA.jsonl [--nproc 2] [--micro-b
        [--seq 2048] [--steps 30] [--skip 5] [--output DIR]
 
 The one-GPU run accumulates N times as many micro-batches as each of the N processes, so both take the
-same optimizer steps over the same rows (qlora_cli/distributed.py). Both log every step; tokens/s counts
+same optimizer steps over the same rows (qlora_cli/train/distributed.py). Both log every step; tokens/s counts
 the steps after the first `--skip` (compilation and warm-up). Prints tokens/s, tokens/s per GPU, peak
 memory of each GPU, the scaling efficiency (tokens/s of N GPUs ÷ N × one GPU's) and the largest loss
 difference between the two runs, step by step.

@@ -114,7 +114,7 @@ def check_labels_in_vocab(labels: torch.Tensor, n_vocab: int, ignore_index: int)
     """Out-of-range labels would silently train towards nothing in the kernel, so refuse them.
 
     On the GPU this reads a flag back to the host, which a CUDA graph capture cannot; code that
-    captures the loss (qlora_cli.graphs) calls this on the labels before it copies them in.
+    captures the loss (qlora_cli.train.graphs) calls this on the labels before it copies them in.
     """
     out_of_vocab = (labels != ignore_index) & ((labels < 0) | (labels >= n_vocab))
     if bool(out_of_vocab.any()):

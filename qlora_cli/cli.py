@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from qlora_cli import __version__
-from qlora_cli.allocator import prefer_expandable_segments
-from qlora_cli.errors import QLoraError, RunAborted
-from qlora_cli.signals import answer_signals, ignore_signals
+from qlora_cli.core.allocator import prefer_expandable_segments
+from qlora_cli.core.errors import QLoraError, RunAborted
+from qlora_cli.train.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
     name="qlora",
@@ -86,10 +86,10 @@ def train(
     if profile and (nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise QLoraError("--profile times a single process; profile without --nproc or torchrun")
     if nproc > 1:
-        from qlora_cli.distributed import launch_train
+        from qlora_cli.train.distributed import launch_train
 
         raise typer.Exit(launch_train(nproc, config, set_ or ()))
-    from qlora_cli.config import load_config
+    from qlora_cli.config.loading import load_config
 
     if profile:
         from qlora_cli.profiler.command import profiled_train
@@ -98,7 +98,7 @@ def train(
         result, report = profiled_train(load_config(config, set_ or ()), console=console)
         print_report(report)
     else:
-        from qlora_cli.train import train as run_training
+        from qlora_cli.train.loop import train as run_training
 
         result = run_training(load_config(config, set_ or ()), console=console)
     console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
@@ -120,8 +120,8 @@ def data(
     set_: SetOption = None,
 ) -> None:
     """Check CONFIG and tokenize its datasets: rows, tokens, trained tokens, dropped rows, packing (no weights)."""
-    from qlora_cli.config import load_config
-    from qlora_cli.data_report import data_report, print_data_report
+    from qlora_cli.config.loading import load_config
+    from qlora_cli.data.report import data_report, print_data_report
 
     report = data_report(load_config(config, set_ or ()))
     print_data_report(report, Console(), show)
@@ -141,10 +141,10 @@ def resume(
 ) -> None:
     """Continue an interrupted run exactly where its last checkpoint left it."""
     if nproc > 1:
-        from qlora_cli.distributed import launch_resume
+        from qlora_cli.train.distributed import launch_resume
 
         raise typer.Exit(launch_resume(nproc, output_dir, checkpoint, set_ or ()))
-    from qlora_cli.train import resume as resume_training
+    from qlora_cli.train.loop import resume as resume_training
 
     result = resume_training(output_dir, checkpoint=checkpoint, overrides=set_ or (), console=console)
     console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
@@ -210,7 +210,7 @@ def export(
 ) -> None:
     """Export a checkpoint as a PEFT adapter, with --merged as a full Hugging Face model, or with --gguf
     as one GGUF file."""
-    from qlora_cli.export import export as run_export
+    from qlora_cli.export.command import export as run_export
 
     result = run_export(
         checkpoint,
@@ -293,8 +293,8 @@ def generate(
     device: DeviceOption = "auto",
 ) -> None:
     """Complete prompts with a trained model: completions to stdout, progress and speed to stderr."""
-    from qlora_cli.generate_command import generate as run_generate
-    from qlora_cli.generation import Sampling
+    from qlora_cli.generate.command import generate as run_generate
+    from qlora_cli.generate.sampling import Sampling
 
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
     run_generate(
@@ -325,8 +325,8 @@ def chat(
     device: DeviceOption = "auto",
 ) -> None:
     """Talk with a trained model, one message a line; answers stream to stdout. /reset, /system TEXT, /exit."""
-    from qlora_cli.chat import chat as run_chat
-    from qlora_cli.generation import Sampling
+    from qlora_cli.generate.chat import chat as run_chat
+    from qlora_cli.generate.sampling import Sampling
 
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
     run_chat(source, sampling=sampling, base_only=base_only, system=system, device=device, console=console)
@@ -356,7 +356,7 @@ def profile(
     """Time each op of a training step as CONFIG sets it up, forward and backward; writes no checkpoints."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise QLoraError("qlora profile times a single process; run it without torchrun")
-    from qlora_cli.config import load_config
+    from qlora_cli.config.loading import load_config
     from qlora_cli.profiler.command import profile as run_profile
     from qlora_cli.profiler.report import print_report
 

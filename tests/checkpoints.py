@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from qlora_cli.weights import ModelSpec
+from qlora_cli.sources.weights import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO_ROOT / "configs" / "demo" / "tiny-qwen3"

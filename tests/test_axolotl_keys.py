@@ -9,12 +9,12 @@ import yaml
 from checkpoints import write_run
 from safetensors.torch import load_file
 
-from qlora_cli.adapter import trainable_tensors
-from qlora_cli.config import load_config
-from qlora_cli.errors import QLoraError, TrainingStopped
-from qlora_cli.run import build_run
-from qlora_cli.tokenizer import ChatTokenizer
-from qlora_cli.train import train
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError, TrainingStopped
+from qlora_cli.rundir.adapter import trainable_tensors
+from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.train.loop import train
+from qlora_cli.train.run import build_run
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 

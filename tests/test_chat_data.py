@@ -7,11 +7,12 @@ import pytest
 from test_data import CONVERSATION, DEMO_MODEL, MASK, expected, only, write_jsonl
 from tokenizers import Tokenizer
 
-from qlora_cli.chat_templates import choose_template
-from qlora_cli.config import DatasetConfig, config_from_dict
-from qlora_cli.data import load_examples, prepare_data
-from qlora_cli.errors import QLoraError
-from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.config.loading import config_from_dict
+from qlora_cli.config.schema import DatasetConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.data.examples import load_examples, prepare_data
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.tokenizer import ChatTokenizer
 
 SHAREGPT = [
     {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from qlora_cli.config import ALL_PROJECTIONS, config_from_dict, load_config
-from qlora_cli.errors import QLoraError
+from qlora_cli.config.loading import config_from_dict, load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.names import ALL_PROJECTIONS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MINIMAL = {"base_model": "Qwen/Qwen2.5-0.5B", "datasets": [{"path": "data.jsonl", "type": "alpaca"}]}
@@ -274,7 +275,7 @@ def test_what_cannot_be_honoured_is_refused_naming_what_to_change(keys, message)
 
 
 def test_new_keys_are_saved_and_read_back(tmp_path):
-    from qlora_cli.config import read_yaml, save_config
+    from qlora_cli.config.loading import read_yaml, save_config
 
     config = config_from_dict(
         _with(

@@ -7,10 +7,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from qlora_cli.config import DatasetConfig
-from qlora_cli.data import LONGER, TOO_LONG, BatchPlan, Example, load_examples, split_validation
-from qlora_cli.errors import QLoraError
-from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.config.schema import DatasetConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.data.examples import LONGER, TOO_LONG, BatchPlan, Example, load_examples, split_validation
+from qlora_cli.sources.tokenizer import ChatTokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "configs" / "demo" / "tiny-qwen3"
 MASK = -100

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from test_data import DEMO_MODEL, write_jsonl
 
-from qlora_cli.config import load_config
-from qlora_cli.data import BatchPlan
-from qlora_cli.data_report import data_report, highlighted
+from qlora_cli.config.loading import load_config
+from qlora_cli.data.examples import BatchPlan
+from qlora_cli.data.report import data_report, highlighted
 
 
 @pytest.fixture

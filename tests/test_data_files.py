@@ -12,11 +12,11 @@ import pytest
 from fake_hub import FakeHub, FakeRepo, use_fake_hub
 from test_data import DEMO_MODEL
 
-from qlora_cli.config import DatasetConfig
-from qlora_cli.data import load_examples, local_dataset
-from qlora_cli.data_files import files_for_split, parse_split, read_rows, read_split
-from qlora_cli.errors import QLoraError
-from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.config.schema import DatasetConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.data.examples import load_examples, local_dataset
+from qlora_cli.data.files import files_for_split, parse_split, read_rows, read_split
+from qlora_cli.sources.tokenizer import ChatTokenizer
 
 ROWS = [
     {"instruction": f"Say {word}.", "input": "" if n % 2 else "politely", "output": word.upper()}

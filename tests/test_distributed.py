@@ -10,11 +10,11 @@ from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
 from qlora_cli.cli import main
-from qlora_cli.config import load_config
-from qlora_cli.distributed import Distributed
-from qlora_cli.errors import QLoraError
-from qlora_cli.rundir import latest_checkpoint
-from qlora_cli.train import resume, train
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.rundir.folder import latest_checkpoint
+from qlora_cli.train.distributed import Distributed
+from qlora_cli.train.loop import resume, train
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = subprocess_env()
@@ -23,7 +23,7 @@ ENV = subprocess_env()
 # raises (QLORA_TEST_FAULT=raise) or sends the process a SIGTERM (=sigterm). qlora never reads these.
 FAULTY_RANK = """
 import os, signal, sys
-from qlora_cli.model import QLoRAModel
+from qlora_cli.model.decoder import QLoRAModel
 
 real_loss = QLoRAModel.loss
 calls = []

@@ -10,17 +10,17 @@ from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, writ
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qlora_cli.adapter import load_adapter_state
-from qlora_cli.chat_templates import choose_template
-from qlora_cli.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
-from qlora_cli.config import config_from_dict, load_config
-from qlora_cli.errors import QLoraError
-from qlora_cli.export import export, parse_size, training_dtype
-from qlora_cli.model import QLoRAModel
-from qlora_cli.settings import compute_dtype, lora_config
-from qlora_cli.tokenizer import ChatTokenizer
-from qlora_cli.train import train
-from qlora_cli.weights import read_spec
+from qlora_cli.config.loading import config_from_dict, load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.command import export, parse_size, training_dtype
+from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.settings import compute_dtype, lora_config
+from qlora_cli.rundir.adapter import load_adapter_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.weights import read_spec
+from qlora_cli.train.loop import train
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 pytestmark = pytest.mark.usefixtures("reference_ops")

@@ -22,13 +22,13 @@ import torch
 from checkpoints import REPO_ROOT, load_transformers, write_qwen2, write_qwen3
 from test_export import make_run
 
-from qlora_cli.config import load_config
-from qlora_cli.errors import QLoraError
-from qlora_cli.export import export
-from qlora_cli.gguf_vocab import QWEN2_SPLIT
-from qlora_cli.tokenizer import ChatTokenizer
-from qlora_cli.train import train
-from qlora_cli.weights import read_spec
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.command import export
+from qlora_cli.export.gguf.vocab import QWEN2_SPLIT
+from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.weights import read_spec
+from qlora_cli.train.loop import train
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("reference_ops")
@@ -348,7 +348,7 @@ def test_llama_cpp_computes_the_merged_model(tmp_path, kind, gguf_type):
 
 def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
     """Each merged tensor reaches the file before the next is read, so memory stays near one tensor."""
-    import qlora_cli.export as export_module
+    import qlora_cli.export.command as export_module
 
     run = _make_run(tmp_path, "qwen2")
     merged_tensors, sizes = export_module.merged_tensors, []
@@ -367,7 +367,7 @@ def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
 
 
 def test_a_template_that_is_not_chatml_gets_no_ollama_template():
-    from qlora_cli.ollama import modelfile
+    from qlora_cli.export.gguf.ollama import modelfile
 
     base = ChatTokenizer.from_folder(REPO_ROOT / "configs" / "demo" / "tiny-qwen3")
     other = base.with_chat_template(
@@ -417,7 +417,7 @@ def _ollama_argument(text: str) -> str | None:
     ],
 )
 def test_quoted_modelfile_arguments_read_back_or_are_refused(text):
-    from qlora_cli.ollama import quote
+    from qlora_cli.export.gguf.ollama import quote
 
     for marks in [('"""', '"'), ('"', '"""')]:
         quoted = quote(text, marks)
@@ -438,7 +438,7 @@ def _with_system_prompt(system: str) -> ChatTokenizer:
 
 
 def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
-    from qlora_cli.ollama import modelfile
+    from qlora_cli.export.gguf.ollama import modelfile
 
     holdable = 'Quote "like this" and fence with """'
     text = modelfile("m.gguf", _with_system_prompt(holdable))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from checkpoints import subprocess_env
 
-from qlora_cli.checkpoint import checkpoint_problem, list_checkpoints
-from qlora_cli.rundir import latest_checkpoint
+from qlora_cli.rundir.checkpoint import checkpoint_problem, list_checkpoints
+from qlora_cli.rundir.folder import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "fault_child.py"

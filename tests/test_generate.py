@@ -10,17 +10,17 @@ import pytest
 import torch
 from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
 
-from qlora_cli import generate_command
-from qlora_cli.checkpoint import save_checkpoint
-from qlora_cli.config import config_from_dict, load_config
-from qlora_cli.decoding import DecodingEngine
-from qlora_cli.errors import QLoraError
-from qlora_cli.export import export
-from qlora_cli.generation import Completion, Sampler, Sampling, generate_ids
-from qlora_cli.generation_source import load_source
-from qlora_cli.model import QLoRAModel
-from qlora_cli.settings import lora_config
-from qlora_cli.train import train
+from qlora_cli.config.loading import config_from_dict, load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.command import export
+from qlora_cli.generate import command as generate_command
+from qlora_cli.generate.decoding import DecodingEngine
+from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
+from qlora_cli.generate.source import load_source
+from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.settings import lora_config
+from qlora_cli.rundir.checkpoint import save_checkpoint
+from qlora_cli.train.loop import train
 from qlora_kernels import nf4_matvec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")

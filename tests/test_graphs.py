@@ -7,11 +7,11 @@ import pytest
 import torch
 from checkpoints import write_run
 
-from qlora_cli.config import load_config
-from qlora_cli.data import BatchPlan
-from qlora_cli.graphs import GraphedLoss, cuda_graph_blocker
-from qlora_cli.run import build_run
-from qlora_cli.train import train
+from qlora_cli.config.loading import load_config
+from qlora_cli.data.examples import BatchPlan
+from qlora_cli.train.graphs import GraphedLoss, cuda_graph_blocker
+from qlora_cli.train.loop import train
+from qlora_cli.train.run import build_run
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

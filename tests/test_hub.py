@@ -5,8 +5,8 @@ import json
 import pytest
 from fake_hub import FakeHub, FakeRepo, use_fake_hub
 
-from qlora_cli.errors import QLoraError
-from qlora_cli.hub import resolve_dataset, resolve_model, resolve_tokenizer
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.hub import resolve_dataset, resolve_model, resolve_tokenizer
 
 GRANTED_TOKEN = "hf_granted_test_token"
 OTHER_TOKEN = "hf_other_test_token"

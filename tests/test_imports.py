@@ -1,7 +1,8 @@
-"""Our modules import one another in one direction only, counting imports inside functions.
+"""Our packages import one another in one direction only, counting imports inside functions.
 
 The graph is read from the source with `ast`, so an import inside a function or under
-TYPE_CHECKING counts as much as one at the top: none of them may close a cycle.
+TYPE_CHECKING counts as much as one at the top. LAYERS lists qlora_cli's packages lowest first, with
+what each may import; loading a module's own package on the way (its __init__) is no edge.
 """
 
 import ast
@@ -9,8 +10,63 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"qlora_cli": ROOT / "qlora_cli", "qlora_kernels": ROOT / "kernels"}
+# qlora_cli's packages, lowest first, each with the packages it may import; every one of those is
+# listed before it. The root package (`qlora_cli/__init__.py`: the version) sits below them all.
+LAYERS = {
+    "qlora_kernels": set(),
+    "qlora_cli.core": set(),
+    "qlora_cli.config": {"qlora_cli.core"},
+    "qlora_cli.sources": {"qlora_cli.core", "qlora_cli.config"},
+    "qlora_cli.data": {"qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
+    "qlora_cli.model": {"qlora_kernels", "qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
+    "qlora_cli.rundir": {"qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
+    "qlora_cli.train": {
+        "qlora_kernels",
+        "qlora_cli.core",
+        "qlora_cli.config",
+        "qlora_cli.sources",
+        "qlora_cli.data",
+        "qlora_cli.model",
+        "qlora_cli.rundir",
+    },
+    "qlora_cli.export": {
+        "qlora_kernels",
+        "qlora_cli.core",
+        "qlora_cli.config",
+        "qlora_cli.sources",
+        "qlora_cli.model",
+        "qlora_cli.rundir",
+    },
+    "qlora_cli.generate": {
+        "qlora_kernels",
+        "qlora_cli.core",
+        "qlora_cli.config",
+        "qlora_cli.sources",
+        "qlora_cli.model",
+        "qlora_cli.rundir",
+    },
+    "qlora_cli.profiler": {
+        "qlora_kernels",
+        "qlora_cli.core",
+        "qlora_cli.config",
+        "qlora_cli.sources",
+        "qlora_cli.data",
+        "qlora_cli.model",
+        "qlora_cli.rundir",
+        "qlora_cli.train",
+    },
+    "qlora_cli.cli": {
+        "qlora_cli.core",
+        "qlora_cli.config",
+        "qlora_cli.data",
+        "qlora_cli.train",
+        "qlora_cli.export",
+        "qlora_cli.generate",
+        "qlora_cli.profiler",
+    },
+}
 # The profiler's layers, bottom first: each may import only those before it.
-PROFILER_LAYERS = ("ops", "hooks", "timing", "work", "lora", "recorder", "calibration", "report", "command")
+PROFILER_LAYERS = ("timing", "work", "lora", "recorder", "calibration", "report", "command")
 
 
 def module_files(packages: dict[str, Path]) -> dict[str, Path]:
@@ -45,7 +101,8 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     for target in targets:
         parts = target.split(".")
         found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-    return {m for m in found if m in modules and m != name}
+    own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return {m for m in found if m in modules and m != name and m not in own_packages}
 
 
 def import_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
@@ -88,11 +145,34 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 GRAPH = import_graph(PACKAGES)
 
 
+def layer_of(module: str) -> str | None:
+    """The LAYERS entry a module belongs to; None for the root package and __main__."""
+    for layer in LAYERS:
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) for every import of a layer its own layer may not import."""
+    found = []
+    for name, imported in graph.items():
+        layer = layer_of(name)
+        if layer is None:
+            continue
+        for target in imported:
+            target_layer = layer_of(target)
+            if target_layer not in (None, layer) and target_layer not in LAYERS[layer]:
+                found.append((name, target))
+    return sorted(found)
+
+
 def test_the_graph_sees_every_kind_of_import():
     assert "qlora_cli.profiler.command" in GRAPH["qlora_cli.cli"]  # inside a function
-    assert "qlora_cli.profiler.hooks" in GRAPH["qlora_cli.model"]  # from a submodule
-    assert "qlora_kernels.linear" in GRAPH["qlora_cli.model"]
+    assert "qlora_cli.core.profiling" in GRAPH["qlora_cli.model.decoder"]  # from a submodule
+    assert "qlora_kernels.linear" in GRAPH["qlora_cli.model.decoder"]
     assert "qlora_kernels._dispatch" in GRAPH["qlora_kernels.linear"]
+    assert "qlora_cli.model" not in GRAPH["qlora_cli.model.decoder"]  # its own package: no edge
 
 
 def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
@@ -106,36 +186,53 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     assert find_cycle(graph) in (["pkg.high", "pkg.low", "pkg.high"], ["pkg.low", "pkg.high", "pkg.low"])
 
 
+def test_an_upward_import_inside_a_function_is_a_violation(tmp_path):
+    """The rule sees what the five inversions were: a function-level import of a higher package."""
+    root = tmp_path / "qlora_cli"
+    for package in ("config", "data"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "data" / "prompts.py").write_text("def type_problem(name):\n    return None\n")
+    (root / "config" / "schema.py").write_text(
+        "def check(name):\n    from qlora_cli.data.prompts import type_problem\n    return type_problem(name)\n"
+    )
+    graph = import_graph({"qlora_cli": root})
+    assert layer_violations(graph) == [
+        ("qlora_cli.config.schema", "qlora_cli.data"),
+        ("qlora_cli.config.schema", "qlora_cli.data.prompts"),
+    ]
+
+
+def test_layers_only_import_layers_listed_before_them():
+    order = list(LAYERS)
+    for index, (layer, allowed) in enumerate(LAYERS.items()):
+        assert allowed <= set(order[:index]), layer
+
+
+def test_every_package_is_in_a_layer():
+    packages = {name for name, path in module_files(PACKAGES).items() if path.name == "__init__.py"}
+    top_level = {p for p in packages if p.count(".") == 1 or p == "qlora_kernels"}
+    assert top_level <= set(LAYERS), top_level - set(LAYERS)
+    assert {m for m in GRAPH if layer_of(m) is None} == {"qlora_cli", "qlora_cli.__main__"}
+
+
+def test_no_package_imports_a_package_above_it():
+    assert layer_violations(GRAPH) == []
+
+
 def test_no_import_cycles():
     assert find_cycle(GRAPH) is None
 
 
-def test_kernels_import_nothing_of_qlora_cli():
-    for name, imported in GRAPH.items():
-        if name.startswith("qlora_kernels"):
-            assert not {m for m in imported if m.startswith("qlora_cli")}, name
-
-
 def test_the_profiler_is_in_layers():
-    """Each layer imports only the layers below it; the instrumentation the model calls, the op
-    identities and the timing helper import nothing of ours."""
+    """Each layer imports only the layers below it; the timing helper imports nothing of ours, and the
+    instrumentation the model calls lives at the bottom (qlora_cli/core)."""
     for index, layer in enumerate(PROFILER_LAYERS):
         name = f"qlora_cli.profiler.{layer}"
         below = {f"qlora_cli.profiler.{lower}" for lower in PROFILER_LAYERS[:index]}
         ours = {m for m in GRAPH[name] if m.startswith("qlora_cli.profiler.")}
         assert ours <= below, (name, ours - below)
-    for bottom in ("ops", "hooks", "timing"):
-        assert GRAPH[f"qlora_cli.profiler.{bottom}"] == set(), bottom
-    assert GRAPH["qlora_cli.profiler"] == set()
-
-
-def test_nothing_below_the_loop_imports_the_loop():
-    loop = {
-        "qlora_cli.train",
-        "qlora_cli.run",
-        "qlora_cli.step",
-        "qlora_cli.cli",
-        "qlora_cli.profiler.command",
-    }
-    for module in ("qlora_cli.model", "qlora_cli.export", "qlora_cli.profiler.recorder"):
-        assert not reachable(GRAPH, module) & loop, module
+    assert GRAPH["qlora_cli.profiler.timing"] == set()
+    for bottom in ("qlora_cli.core.profiling", "qlora_cli.core.ops"):
+        assert GRAPH[bottom] == set(), bottom

@@ -7,11 +7,11 @@ import pytest
 import torch
 from checkpoints import QWEN25_7B, write_run
 
-import qlora_cli.model as model_module
-from qlora_cli.config import load_config
-from qlora_cli.graphs import GraphedLoss
-from qlora_cli.run import build_run
-from qlora_cli.step import dropout_seed, train_step
+import qlora_cli.model.decoder as model_module
+from qlora_cli.config.loading import load_config
+from qlora_cli.train.graphs import GraphedLoss
+from qlora_cli.train.run import build_run
+from qlora_cli.train.step import dropout_seed, train_step
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,7 +84,7 @@ def test_masks_differ_between_micro_batches_and_recompute_repeats_them(tmp_path,
 
 
 def test_training_with_dropout_keeps_cuda_graphs_on_the_table(tmp_path):
-    from qlora_cli.graphs import cuda_graph_blocker
+    from qlora_cli.train.graphs import cuda_graph_blocker
 
     config = load_config(write_run(tmp_path, lora_dropout=0.05, sample_packing=True))
     assert cuda_graph_blocker(config, CUDA, 1) is None

@@ -4,7 +4,7 @@ import os
 
 from checkpoints import QWEN25_7B
 
-from qlora_cli.memory import kept_activation_bytes, layers_to_checkpoint
+from qlora_cli.model.planner import kept_activation_bytes, layers_to_checkpoint
 
 TOKENS = 4 * 2048
 
@@ -42,8 +42,8 @@ MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks
 
 def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
     from benchmarks.shapes import qwen25_config
-    from qlora_cli.memory import estimated_peak_bytes
-    from qlora_cli.weights import spec_from_config
+    from qlora_cli.model.planner import estimated_peak_bytes
+    from qlora_cli.sources.weights import spec_from_config
 
     for name, tokens, measured in MEASURED_PEAKS_GIB:
         spec = spec_from_config(qwen25_config(name))
@@ -52,7 +52,7 @@ def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
 
 
 def test_offloading_frees_each_recomputed_layers_input():
-    from qlora_cli.memory import estimated_peak_bytes
+    from qlora_cli.model.planner import estimated_peak_bytes
 
     kept_inputs = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28)
     offloaded = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28, offload=True)
@@ -67,7 +67,7 @@ def test_a_budget_keeps_more_layers_when_recomputed_ones_are_offloaded():
 
 
 def test_auto_offloads_on_a_gpu_when_layers_recompute():
-    from qlora_cli.memory import offloads_activations
+    from qlora_cli.model.planner import offloads_activations
 
     def offloads(setting, checkpointing, device, budget=None):
         return offloads_activations(setting, checkpointing, QWEN25_7B, TOKENS, budget, 16, device)
@@ -81,7 +81,7 @@ def test_auto_offloads_on_a_gpu_when_layers_recompute():
 
 
 def test_the_cli_asks_for_expandable_segments_unless_the_user_chose(monkeypatch):
-    from qlora_cli.allocator import prefer_expandable_segments
+    from qlora_cli.core.allocator import prefer_expandable_segments
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)

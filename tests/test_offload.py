@@ -5,9 +5,9 @@ import pytest
 import torch
 from checkpoints import write_qwen2, write_qwen3
 
-import qlora_cli.chunked_mlp as chunked_mlp
-from qlora_cli.chunked_mlp import slice_tokens
-from qlora_cli.model import LoRAConfig, QLoRAModel
+import qlora_cli.model.sliced_mlp as chunked_mlp
+from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model.sliced_mlp import slice_tokens
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
 
@@ -176,7 +176,7 @@ def test_offloaded_layers_on_the_gpu_match_and_hold_no_inputs(deterministic_algo
 @pytest.mark.gpu
 def test_offloaded_layers_replay_in_a_cuda_graph(deterministic_algorithms):
     """Captured copies and stream waits: replays accumulate what eager offloaded steps do."""
-    from qlora_cli.graphs import GraphedLoss
+    from qlora_cli.train.graphs import GraphedLoss
 
     model = _gpu_model(3, checkpoint_layers=3, offload_activations=True)
     params = model.trainable_parameters()

@@ -7,8 +7,8 @@ import re
 import pytest
 from rich.console import Console
 
-from qlora_cli.errors import QLoraError
-from qlora_cli.progress import RunOutput, step_line
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.train.progress import RunOutput, step_line
 
 RECORD = {"step": 10, "loss": 1.23456, "lr": 2e-4, "tokens_per_s": 12345.6, "memory_gib": 3.25}
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "

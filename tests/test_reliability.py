@@ -18,20 +18,20 @@ import yaml
 from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
-from qlora_cli import checkpoint as checkpoint_module
-from qlora_cli.checkpoint import (
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.rundir import checkpoint as checkpoint_module
+from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     list_checkpoints,
     read_checkpoint_config,
     read_trainer_state,
     save_checkpoint,
 )
-from qlora_cli.config import load_config
-from qlora_cli.errors import QLoraError
-from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.rundir import RUN_FILE, latest_checkpoint, run_lock, space_needed
-from qlora_cli.train import train
-from qlora_cli.weights import read_spec
+from qlora_cli.rundir.folder import RUN_FILE, latest_checkpoint, run_lock, space_needed
+from qlora_cli.sources.weights import read_spec
+from qlora_cli.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
@@ -202,7 +202,7 @@ def test_too_little_free_space_is_refused_before_loading(tmp_path):
 CHECK_AFTER_DISK_FULL = """
 import sys
 from pathlib import Path
-from qlora_cli.checkpoint import checkpoint_problem
+from qlora_cli.rundir.checkpoint import checkpoint_problem
 out = Path(sys.argv[1])
 for folder in sorted(out.iterdir(), key=lambda p: (len(p.name), p.name)):
     if folder.is_dir():
@@ -354,7 +354,7 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
 
 SLOW_SAVE = """
 import os, time
-from qlora_cli import checkpoint
+from qlora_cli.rundir import checkpoint
 real = checkpoint.save_tensors
 def slow(tensors, path, *args, **kwargs):
     real(tensors, path, *args, **kwargs)
@@ -368,7 +368,7 @@ checkpoint.save_tensors = slow
 # the machine trains; without it a fast CPU finishes step and save before the second signal arrives.
 SLOW_STEP = """
 import time
-from qlora_cli import train
+from qlora_cli.train import loop as train
 real = train.train_step
 def slow(*args, **kwargs):
     time.sleep(0.5)

@@ -5,8 +5,8 @@ import json
 from checkpoints import write_run
 
 from benchmarks.synthetic_data import WORDS, write_rows
-from qlora_cli.config import load_config
-from qlora_cli.train import train
+from qlora_cli.config.loading import load_config
+from qlora_cli.train.loop import train
 
 
 def test_rows_ask_for_the_words_reversed(tmp_path):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from qlora_cli.errors import QLoraError
-from qlora_cli.tokenizer import ChatTokenizer
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.tokenizer import ChatTokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "configs" / "demo" / "tiny-qwen3"
 

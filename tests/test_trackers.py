@@ -11,9 +11,9 @@ import pytest
 import yaml
 from checkpoints import subprocess_env
 
-from qlora_cli.config import config_from_dict
-from qlora_cli.errors import QLoraError, RunInterrupted
-from qlora_cli.trackers import Trackers, flat_params, tracker_metrics
+from qlora_cli.config.loading import config_from_dict
+from qlora_cli.core.errors import QLoraError, RunInterrupted
+from qlora_cli.train.trackers import Trackers, flat_params, tracker_metrics
 
 RECORDS = [
     {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 0.8, "tokens_per_s": 100.0, "memory_gib": None},
@@ -301,8 +301,8 @@ def test_a_run_and_its_resume_log_to_the_same_tracker_runs(tmp_path, offline_wan
     from checkpoints import write_run
     from mlflow.tracking import MlflowClient
 
-    from qlora_cli.config import load_config
-    from qlora_cli.train import resume, train
+    from qlora_cli.config.loading import load_config
+    from qlora_cli.train.loop import resume, train
 
     trackers = dict(
         wandb_project="qlora-tests",

@@ -12,13 +12,13 @@ import torch
 from checkpoints import subprocess_env, write_run
 from safetensors.torch import load_file
 
-from qlora_cli.checkpoint import read_checkpoint_config
-from qlora_cli.config import load_config
-from qlora_cli.errors import QLoraError, TrainingStopped
-from qlora_cli.run import build_run
-from qlora_cli.rundir import latest_checkpoint
-from qlora_cli.step import learning_rate, train_step
-from qlora_cli.train import resume, train
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError, TrainingStopped
+from qlora_cli.rundir.checkpoint import read_checkpoint_config
+from qlora_cli.rundir.folder import latest_checkpoint
+from qlora_cli.train.loop import resume, train
+from qlora_cli.train.run import build_run
+from qlora_cli.train.step import learning_rate, train_step
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +211,7 @@ def test_signal_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_p
 
 KILL_DURING_SAVE = """
 import os, sys, time
-from qlora_cli import checkpoint
+from qlora_cli.rundir import checkpoint
 real = checkpoint.save_tensors
 def slow(tensors, path, *a, **k):
     real(tensors, path, *a, **k)

@@ -7,8 +7,8 @@ import torch
 from checkpoints import write_qwen2, write_qwen3
 from safetensors.torch import load_file, save_file
 
-from qlora_cli.errors import QLoraError
-from qlora_cli.weights import read_spec, spec_from_config, stream_tensors
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.weights import read_spec, spec_from_config, stream_tensors
 
 QWEN2_CONFIG = {
     "model_type": "qwen2",

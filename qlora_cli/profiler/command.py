@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from qlora_cli.config import TrainConfig
-from qlora_cli.errors import QLoraError
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
 from qlora_cli.profiler.calibration import calibrate
 from qlora_cli.profiler.recorder import OpProfiler
 from qlora_cli.profiler.report import ProfileReport, profile_report
-from qlora_cli.run import build_run
-from qlora_cli.step import optimizer_step, train_step
-from qlora_cli.train import TrainResult, train
+from qlora_cli.train.loop import TrainResult, train
+from qlora_cli.train.run import build_run
+from qlora_cli.train.step import optimizer_step, train_step
 
 
 def _writable(path: Path | None, option: str) -> Path | None:
@@ -103,5 +103,5 @@ def profiled_train(
     The first step is left out as warm-up when the run has more; peaks are measured after the run.
     """
     profiler = OpProfiler(warmup_steps=1)
-    result = train(config, console=console, profiler=profiler)
+    result = train(config, console=console, observe_step=profiler.step)
     return result, profile_report(profiler)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from qlora_cli.profiler.ops import LORA_ROWS, Op
+from qlora_cli.core.ops import LORA_ROWS, Op
 from qlora_cli.profiler.timing import measure
 from qlora_kernels.linear import lora_linear
 from qlora_kernels.swiglu import lora_swiglu

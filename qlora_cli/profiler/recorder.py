@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_cli.profiler.hooks import profiling
+from qlora_cli.core.ops import BACKWARD_ROW, SCOPES, Op
+from qlora_cli.core.profiling import profiling
 from qlora_cli.profiler.lora import LORA_GROUP, lora_call
-from qlora_cli.profiler.ops import BACKWARD_ROW, SCOPES, Op
 from qlora_cli.profiler.work import Work, named_arguments, optimizer_work, work_of
 
 

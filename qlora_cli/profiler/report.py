@@ -9,10 +9,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from qlora_cli.errors import QLoraError
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.ops import LAYER_BACKWARD, LAYER_FORWARD, LORA_ROWS, OUTSIDE_LAYERS, Op
 from qlora_cli.profiler.calibration import Calibration, calibrate
 from qlora_cli.profiler.lora import lora_share
-from qlora_cli.profiler.ops import LAYER_BACKWARD, LAYER_FORWARD, LORA_ROWS, OUTSIDE_LAYERS, Op
 from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
 
 UNATTRIBUTED = "unattributed"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_cli.profiler.ops import Op
+from qlora_cli.core.ops import Op
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""Names every layer shares: the projections LoRA can target, the dataset types, the chat template names.
+
+The rules that read them live with the config checks (qlora_cli/config/checks.py); the data layer and the
+sources map each name to what it renders.
+"""
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads
+# `conversations` with from/value as well as `messages`.
+_SHAREGPT_TYPES = (
+    "sharegpt",
+    "sharegpt:chat",
+    "sharegpt:chatml",
+    "sharegpt.load_role",
+    "sharegpt.load_guanaco",
+    "sharegpt.load_ultrachat",
+    "sharegpt_simple",
+    "sharegpt_simple.load_role",
+)
+# Each dataset `type` qlora reads, as (kind, style): kind is alpaca, chat, completion, text or
+# input_output; style is alpaca's prompt layout (instruct, chat, chatml, or the chosen chat_template).
+DATASET_TYPES = {
+    "chat_template": ("chat", ""),
+    "chat_template.default": ("chat", ""),
+    **dict.fromkeys(_SHAREGPT_TYPES, ("chat", "")),
+    "alpaca": ("alpaca", "instruct"),
+    "alpaca_instruct": ("alpaca", "instruct"),
+    "alpaca:instruct": ("alpaca", "instruct"),
+    "alpaca:alpaca": ("alpaca", "instruct"),
+    "alpaca_chat": ("alpaca", "chat"),
+    "alpaca:chat": ("alpaca", "chat"),
+    "alpaca_chat.load": ("alpaca", "chat"),
+    "alpaca:chatml": ("alpaca", "chatml"),
+    "alpaca_chatml": ("alpaca", "chatml"),
+    "alpaca:chat_template": ("alpaca", "chat_template"),
+    "completion": ("completion", ""),
+    "text": ("text", ""),
+    "input_output": ("input_output", ""),
+}
+COMMON_TYPES = "chat_template, sharegpt, alpaca, alpaca_chat, alpaca:chatml, completion, text, input_output"
+
+# The chat templates qlora ships (qlora_cli/sources/chat_templates.py holds their text), and every name
+# `chat_template` takes.
+SHIPPED_TEMPLATES = ("chatml", "qwen_25", "qwen3")
+CHAT_TEMPLATE_NAMES = ("tokenizer_default", *SHIPPED_TEMPLATES, "jinja")
+FALLBACK_TEMPLATE = "tokenizer_default_fallback_"

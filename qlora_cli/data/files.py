@@ -1,0 +1,304 @@
+"""Dataset files to rows: which files a dataset entry names, in which format, and which rows a split keeps.
+
+Formats: JSON Lines (`.jsonl`, or lines inside a `.json`), a JSON list (`.json`), Parquet, Arrow (IPC file
+or stream, as `datasets` saves it) and CSV; the columnar ones through pyarrow. A folder (a hub dataset
+repo's snapshot, or `save_to_disk` output) is split into train/validation/test files by name the way the
+hub does it, and `split: train[10:20%]` slices the chosen split's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.jsonl import Row, json_lines, json_type
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+DATA_SUFFIXES = tuple(FORMATS)
+# Files `datasets` writes next to its data; they describe the data and are not rows.
+METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}
+# The hub's split names found in file or folder names (datasets.data_files.SPLIT_KEYWORDS).
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+# Parquet conversions and pushed datasets name shards `<split>-00000-of-00003.<suffix>`.
+_SHARD_NAME = re.compile(r"(?P<split>[\w.]+?)-\d{5}-of-\d{5}(?:-.*)?")
+_SLICE = re.compile(r"^(?P<name>[\w.-]+)(?:\[(?P<start>[^:\]]*)(?::(?P<stop>[^\]]*))?\])?$")
+
+
+@dataclass(frozen=True)
+class SplitPart:
+    """One `name[start:stop]` of a split expression; bounds are row counts or percents (as given)."""
+
+    name: str
+    start: str = ""
+    stop: str | None = None
+
+    def bounds(self, rows: int) -> tuple[int, int]:
+        """Python slice semantics on `rows` rows; percents round to the closest row, as `datasets` does."""
+        if self.stop is None and self.start:
+            index = _bound(self.start, rows, self.text)
+            index = index + rows if index < 0 else index
+            if not 0 <= index < rows:
+                raise QLoraError(f"split '{self.text}': row {self.start} is out of range ({rows} rows)")
+            return index, index + 1
+        start = _bound(self.start, rows, self.text) if self.start else 0
+        stop = _bound(self.stop, rows, self.text) if self.stop else rows
+        return slice(start, stop).indices(rows)[:2]
+
+    @property
+    def text(self) -> str:
+        if self.stop is None:
+            return f"{self.name}[{self.start}]" if self.start else self.name
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+
+def _bound(text: str, rows: int, split: str) -> int:
+    value = text.strip()
+    try:
+        if value.endswith("%"):
+            percent = float(value[:-1])
+            if not -100 <= percent <= 100:
+                raise ValueError
+            return round(percent * rows / 100)
+        return int(value)
+    except ValueError:
+        raise QLoraError(
+            f"split '{split}': {text!r} is not a row index or a percent like 20%; "
+            "write e.g. train, train[:20%], train[10:100]"
+        ) from None
+
+
+def parse_split(text: str) -> list[SplitPart]:
+    """`train`, `train[:20%]`, `train[10:100]`, `train[5]`, or parts joined by `+` (rows concatenated)."""
+    parts = []
+    for piece in text.split("+"):
+        match = _SLICE.match(piece.strip())
+        if match is None:
+            raise QLoraError(
+                f"split {text!r} is not a split expression; write e.g. train, train[:20%], train[10:100]"
+            )
+        part = SplitPart(match["name"], match["start"] or "", match["stop"])
+        if part.stop is None and not part.start and "[" in piece:
+            raise QLoraError(f"split {text!r}: empty brackets; write e.g. train[:20%]")
+        parts.append(part)
+    return parts
+
+
+# ----- which files -----
+
+
+def _data_files_in(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix in DATA_SUFFIXES
+        and p.is_file()
+        and p.name not in METADATA_FILES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _split_of(relative: str) -> str | None:
+    """The split a file belongs to by its name, or None when its name names none."""
+    shard = _SHARD_NAME.fullmatch(relative.rsplit("/", 1)[-1])
+    if shard and shard["split"] != "data":  # save_to_disk names every shard data-*, in a folder per split
+        return shard["split"]
+    words = re.split(r"[/\\._\- 0-9]+", relative.lower())
+    for split, keywords in SPLIT_KEYWORDS.items():
+        if any(word in keywords for word in words):
+            return split
+    return None
+
+
+def group_by_split(names: list[str]) -> dict[str, list[str]]:
+    """Relative file names grouped by split; names that name no split are all `train`, as on the hub."""
+    splits: dict[str, list[str]] = {}
+    for name in names:
+        splits.setdefault(_split_of(str(PurePosixPath(name).with_suffix(""))) or "", []).append(name)
+    unnamed = splits.pop("", [])
+    if not splits:
+        return {"train": unnamed}
+    if unnamed:
+        splits.setdefault("train", []).extend(unnamed)
+    return splits
+
+
+def files_for_split(names: list[str], split: str, subset: str | None = None) -> list[str]:
+    """Of a dataset repo's data files (relative names), those a split expression reads; all of them when
+    a split is not there, so that reading can name the splits there are."""
+    prefix = f"{subset}/" if subset else ""
+    grouped = group_by_split(
+        [
+            n.removeprefix(prefix)
+            for n in names
+            if n.startswith(prefix) and PurePosixPath(n).name not in METADATA_FILES
+        ]
+    )
+    chosen: list[str] = []
+    for part in parse_split(split):
+        if part.name not in grouped:
+            return names
+        chosen += [prefix + n for n in grouped[part.name] if prefix + n not in chosen]
+    return chosen
+
+
+def _named_files(root: Path, patterns: list[str], where: str) -> list[Path]:
+    """The files glob patterns name, relative to root (an absolute pattern stands alone)."""
+    files: list[Path] = []
+    for pattern in patterns:
+        base, relative = root, pattern
+        if Path(pattern).is_absolute():
+            base = Path(Path(pattern).anchor)
+            relative = str(Path(pattern).relative_to(base))
+        found = sorted(p for p in base.glob(relative) if p.is_file()) if base.is_dir() else []
+        if not found:
+            raise QLoraError(f"{where}: data_files {pattern!r} matches no file in {root}")
+        files += [p for p in found if p not in files]
+    return files
+
+
+def split_files(
+    path: Path,
+    split: str,
+    *,
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+    subset: str | None = None,
+) -> list[Path]:
+    """The files of `split` (a split name, without slice) under `path`.
+
+    A file is the split `train`; so are the files a list of `data_files` names (a mapping names each
+    split's), relative to `path`.
+    """
+    where = f"dataset {path}"
+    if isinstance(data_files, dict):
+        if split not in data_files:
+            raise QLoraError(
+                f"{where}: split '{split}' is not in data_files (it names {', '.join(sorted(data_files))})"
+            )
+        chosen = data_files[split]
+        return _named_files(path, [chosen] if isinstance(chosen, str) else list(chosen), where)
+    if data_files is not None:
+        files = _named_files(path, [data_files] if isinstance(data_files, str) else list(data_files), where)
+        return files if split == "train" else _no_split(where, split, {"train": files})
+    if path.is_file():
+        if split != "train":
+            raise QLoraError(f"{where} is one file, which is the split 'train'; it has no split '{split}'")
+        return [path]
+    if not path.is_dir():
+        raise QLoraError(f"{path}: dataset path does not exist")
+    folder = path
+    if subset is not None:
+        folder = path / subset
+        if not folder.is_dir():
+            names = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+            raise QLoraError(
+                f"{where}: no subset '{subset}' (its folders: {', '.join(names) or 'none'}); check `name`"
+            )
+    files = _data_files_in(folder)
+    if not files:
+        raise QLoraError(f"{folder}: folder has no {', '.join(DATA_SUFFIXES)} files")
+    by_name = {file.relative_to(folder).as_posix(): file for file in files}
+    grouped = group_by_split(list(by_name))
+    if split not in grouped:
+        _no_split(where, split, grouped)
+    return [by_name[name] for name in grouped[split]]
+
+
+def _no_split(where: str, split: str, grouped: dict) -> list[Path]:
+    raise QLoraError(f"{where} has no split '{split}' (its splits: {', '.join(sorted(grouped))})")
+
+
+# ----- reading rows -----
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _json_rows(file: Path) -> Iterator[Row]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise QLoraError(f"{file}: cannot read ({_one_line(error)})") from None
+    if file.suffix == ".jsonl" or not text.lstrip().startswith("["):
+        # A .json file that is not a list is read as JSON Lines, as `datasets` does.
+        yield from json_lines(file, text)
+        return
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise QLoraError(
+            f"{file}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno})"
+        ) from None
+    for index, row in enumerate(items):
+        where = f"{file}: item {index}"
+        if not isinstance(row, dict):
+            raise QLoraError(f"{where}: expected a JSON object, got {json_type(row)}")
+        yield where, row
+
+
+def _table(file: Path, file_format: str):
+    """A pyarrow Table of a Parquet, Arrow or CSV file; every CSV column is read as text."""
+    import pyarrow as pa
+    import pyarrow.csv
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    try:
+        if file_format == "parquet":
+            return pyarrow.parquet.read_table(file)
+        if file_format == "csv":
+            with pyarrow.csv.open_csv(file) as reader:
+                names = reader.schema.names
+            convert = pyarrow.csv.ConvertOptions(
+                column_types={name: pa.string() for name in names}, strings_can_be_null=False
+            )
+            return pyarrow.csv.read_csv(file, convert_options=convert)
+        with pa.memory_map(str(file)) as source:
+            try:
+                return pyarrow.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pyarrow.ipc.open_stream(source).read_all()
+    except (OSError, pa.ArrowException) as error:
+        raise QLoraError(f"{file}: cannot read as {file_format} ({_one_line(error)})") from None
+
+
+def read_rows(file: Path, file_format: str | None = None) -> Iterator[Row]:
+    """Yield (where, row): `where` names the file and line, item or row for error messages."""
+    file_format = file_format or FORMATS.get(file.suffix)
+    if file_format is None:
+        raise QLoraError(
+            f"{file}: unsupported dataset file type {file.suffix!r} "
+            f"(expected {', '.join(DATA_SUFFIXES)}, or set ds_type)"
+        )
+    if file_format == "json":
+        yield from _json_rows(file)
+        return
+    for index, row in enumerate(_table(file, file_format).to_pylist()):
+        yield f"{file}: row {index}", row
+
+
+def read_split(
+    path: Path,
+    split: str,
+    *,
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+    subset: str | None = None,
+    file_format: str | None = None,
+) -> list[Row]:
+    """The rows `split` (e.g. `train[:20%]`, `train+test`) selects from `path`, in file order."""
+    rows: list[Row] = []
+    for part in parse_split(split):
+        files = split_files(path, part.name, data_files=data_files, subset=subset)
+        part_rows = [row for file in files for row in read_rows(file, file_format)]
+        start, stop = part.bounds(len(part_rows))
+        rows += part_rows[start:stop]
+    return rows

@@ -1,0 +1,143 @@
+"""`qlora chat`: a multi-turn conversation with a trained model, its answer streamed as it is generated.
+
+Each turn renders the whole conversation with the run's chat template and generates from it; the
+conversation is kept within the run's sequence_len by dropping its oldest turns first, with a notice.
+Lines starting with / are commands: /reset, /system TEXT, /exit (Ctrl-D too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TextIO
+
+from rich.console import Console
+
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.generate.decoding import DecodingEngine
+from qlora_cli.generate.prompts import with_system
+from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem
+from qlora_cli.generate.source import GenerationSource, load_source
+from qlora_cli.sources.tokenizer import ChatTokenizer
+
+HELP = "/reset starts over (keeping the system message), /system TEXT sets the system message, /exit (or Ctrl-D) ends"
+
+
+class TextStream:
+    """Writes a turn's text as its tokens arrive; a token that ends inside a multi-byte character
+    waits for the next one."""
+
+    def __init__(self, tokenizer: ChatTokenizer, out: TextIO):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.written = 0
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def finish(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        self._write(text)
+        self.out.write("\n")
+        self.out.flush()
+        return text
+
+    def _write(self, text: str) -> None:
+        self.out.write(text[self.written :])
+        self.out.flush()
+        self.written = len(text)
+
+
+@dataclasses.dataclass
+class Conversation:
+    """The turns so far and the system message; renders itself into the prompt of the next answer."""
+
+    source: GenerationSource
+    system: str | None = None
+    turns: list[dict] = dataclasses.field(default_factory=list)
+
+    def prompt_ids(self, turns: list[dict] | None = None) -> list[int]:
+        text = self.source.tokenizer.render_chat(
+            with_system(self.turns if turns is None else turns, self.system),
+            add_generation_prompt=True,
+            **self.source.template_variables,
+        )
+        return self.source.tokenizer.encode(text)
+
+    def fit(self, message: str, budget: int, reserve: int) -> tuple[list[int] | None, int]:
+        """The prompt ids with `message` as the next user turn, after dropping the oldest turns until
+        `reserve` answer tokens fit in `budget`; also how many turns were dropped. None when the message
+        does not fit even alone, and then the conversation stays as it was."""
+        turns = [*self.turns, {"role": "user", "content": message}]
+        dropped = 0
+        ids = self.prompt_ids(turns)
+        while len(ids) + reserve > budget and len(turns) > 1:
+            del turns[0]
+            while turns[0]["role"] != "user":
+                del turns[0]
+            dropped += 1
+            ids = self.prompt_ids(turns)
+        if len(ids) >= budget:
+            return None, 0
+        self.turns = turns
+        return ids, dropped
+
+
+def chat(
+    source,
+    *,
+    sampling: Sampling = Sampling(),
+    base_only: bool = False,
+    system: str | None = None,
+    device: str = "auto",
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    console: Console | None = None,
+) -> None:
+    """Read messages from stdin, one a line, and stream each answer to stdout."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    console = console or Console(stderr=True)
+    if problem := sampling_problem(sampling):
+        raise QLoraError(problem)
+    loaded = load_source(source, base_only=base_only, device=device)
+    engine = DecodingEngine(loaded.model)
+    conversation = Conversation(loaded, system)
+    budget = loaded.sequence_len
+    reserve = min(sampling.max_new_tokens, budget // 2)
+    console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+    console.print(HELP, highlight=False)
+    while True:
+        console.print("[bold]>[/] ", end="")
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        command, _, argument = text.strip().partition(" ")
+        if command == "/exit":
+            break
+        if command == "/reset":
+            conversation.turns.clear()
+            console.print("(conversation cleared)")
+            continue
+        if command == "/system":
+            conversation.system = argument.strip() or None
+            console.print("(system message set)" if conversation.system else "(system message removed)")
+            continue
+        if command.startswith("/"):
+            console.print(f"(unknown command {command}; {HELP})", highlight=False)
+            continue
+        if not text.strip():
+            continue
+        ids, dropped = conversation.fit(text, budget, reserve)
+        if ids is None:
+            console.print(f"(that message does not fit in sequence_len {budget}; send a shorter one)")
+            continue
+        if dropped:
+            console.print(f"(dropped the {dropped} oldest turn(s) to stay within sequence_len {budget})")
+        stream = TextStream(loaded.tokenizer, stdout)
+        answer = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget - len(ids)))
+        generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=stream)
+        conversation.turns.append({"role": "assistant", "content": stream.finish()})

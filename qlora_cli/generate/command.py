@@ -1,0 +1,141 @@
+"""`qlora generate`: complete prompts with a trained model; completions to stdout, one row per prompt to
+--out, progress and speed to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from rich.console import Console
+
+from qlora_cli.core.errors import QLoraError, WriteFailed
+from qlora_cli.core.files import describe
+from qlora_cli.generate.decoding import DecodingEngine
+from qlora_cli.generate.prompts import Prompt, check_fits, gather_prompts, render_prompt
+from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem
+from qlora_cli.generate.source import GenerationSource, load_source
+
+
+def generate(
+    source: Path,
+    *,
+    prompts: list[str] = (),
+    prompt_file: Path | None = None,
+    out: Path | None = None,
+    sampling: Sampling = Sampling(),
+    base_only: bool = False,
+    raw: bool = False,
+    system: str | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    stdout: TextIO | None = None,
+    console: Console | None = None,
+) -> list[dict]:
+    """Complete every prompt; returns the rows written to `out` (prompt, completion, token counts)."""
+    stdout = stdout or sys.stdout
+    console = console or Console(stderr=True)
+    if problem := sampling_problem(sampling):
+        raise QLoraError(problem)
+    if raw and system is not None:
+        raise QLoraError("--system needs the chat template; drop --raw")
+    if batch_size < 1:
+        raise QLoraError(f"--batch-size must be at least 1, got {batch_size}")
+    given = gather_prompts(list(prompts), prompt_file)
+    with _RowWriter(out) as writer:
+        loaded = load_source(source, base_only=base_only, device=device)
+        ids = [_prompt_ids(loaded, prompt, raw, system, console) for prompt in given]
+        console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+        engine = DecodingEngine(loaded.model)
+        timing = Timing()
+        rows = []
+        for start in range(0, len(given), batch_size):
+            batch = ids[start : start + batch_size]
+            for prompt, prompt_ids, completion in zip(
+                given[start : start + batch_size],
+                batch,
+                generate_ids(engine, batch, sampling, loaded.stop_ids, timing=timing),
+                strict=True,
+            ):
+                text = loaded.tokenizer.decode(completion.ids)
+                stdout.write(text + "\n")
+                stdout.flush()
+                row = {
+                    **prompt.record(),
+                    **({} if system is None else {"system": system}),
+                    "completion": text,
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(completion.ids),
+                    "finish_reason": completion.finish,
+                }
+                writer.write(row)
+                rows.append(row)
+    total = timing.prefill_s + timing.decode_s
+    steps = timing.decode_steps / timing.decode_s if timing.decode_s else 0.0
+    speed = timing.tokens / total if total else 0.0
+    console.print(
+        f"{_count(len(rows), 'prompt')}, {_count(timing.tokens, 'token')} in {total:.2f}s "
+        f"({speed:.1f} tokens/s): first token after {timing.prefill_s:.2f}s, "
+        f"then {steps:.1f} decode steps/s",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return rows
+
+
+def _prompt_ids(
+    loaded: GenerationSource, prompt: Prompt, raw: bool, system: str | None, console
+) -> list[int]:
+    """The prompt's token ids, refused when they leave the model no room to answer, with a note when they
+    are longer than the rows the run trained on."""
+    ids = render_prompt(prompt, loaded.tokenizer, raw=raw, system=system, variables=loaded.template_variables)
+    check_fits(prompt, ids, loaded.model.spec.max_position_embeddings)
+    if len(ids) > loaded.sequence_len:
+        console.print(
+            f"note: {prompt.where} is {len(ids)} tokens, longer than the rows the run trained on "
+            f"(sequence_len {loaded.sequence_len})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return ids
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+class _RowWriter:
+    """--out, opened before the model loads (a path that cannot be written fails at once, not after the
+    decoding) and given each row as its batch finishes, so a failure later keeps the rows done."""
+
+    def __init__(self, path: Path | None):
+        self.path = None if path is None else Path(path)
+        self.file = None
+
+    def __enter__(self) -> _RowWriter:
+        if self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = self.path.open("w", encoding="utf-8")
+            except OSError as err:
+                raise QLoraError(f"cannot write --out {self.path}: {self._reason(err)}") from None
+        return self
+
+    def write(self, row: dict) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self.file.flush()
+        except OSError as err:
+            raise WriteFailed(f"could not write --out {self.path}: {self._reason(err)}") from None
+
+    def _reason(self, err: OSError) -> str:
+        """The OS's reason, naming the file it names when that is not --out itself (a parent folder)."""
+        named = err.filename is not None and Path(err.filename) != self.path
+        return describe(err, self.path) if named else (err.strerror or str(err))
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,140 @@
+"""What `qlora generate` and `qlora chat` run: SOURCE (a run's output_dir, a checkpoint-<step> folder or a
+config file) resolved into the NF4 base model with the checkpoint's adapter, the tokenizer rendering chats
+as training did, and the stop tokens of a turn."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qlora_cli.config.loading import load_config
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.settings import compute_dtype, lora_config, select_device
+from qlora_cli.rundir.adapter import load_adapter_state
+from qlora_cli.rundir.checkpoint import STATE_FILE, read_checkpoint_config
+from qlora_cli.rundir.folder import ADAPTER_FILES, usable_checkpoint
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.hub import resolve_model
+from qlora_cli.sources.run_tokenizer import dataset_template, run_tokenizer
+from qlora_cli.sources.tokenizer import ChatTokenizer
+
+CONFIG_SUFFIXES = (".yaml", ".yml")
+ADAPTER_FILE = ADAPTER_FILES[0]
+_PROBE = "\ue000qlora-answer\ue001"
+
+
+@dataclass
+class GenerationSource:
+    """A model ready to generate, with what it was trained on."""
+
+    model: QLoRAModel
+    tokenizer: ChatTokenizer
+    config: TrainConfig
+    checkpoint: Path | None
+    template_variables: dict
+    stop_ids: set[int]
+    load_s: float
+
+    @property
+    def sequence_len(self) -> int:
+        return min(self.config.sequence_len, self.model.spec.max_position_embeddings)
+
+    def describe(self) -> str:
+        adapter = f"adapter of {self.checkpoint}" if self.checkpoint else "no adapter (--base-only)"
+        return f"{self.config.base_model} + {adapter}"
+
+
+def find_source(source: Path, *, base_only: bool) -> tuple[TrainConfig, Path | None]:
+    """The config and checkpoint SOURCE names; the checkpoint is None only with base_only."""
+    source = Path(source)
+    usage = "give a run's output_dir, a checkpoint-<step> folder or a config file"
+    if not source.exists():
+        raise QLoraError(f"{source} does not exist; {usage}")
+    if source.is_file():
+        if source.suffix not in CONFIG_SUFFIXES:
+            raise QLoraError(f"{source} is not a config file (.yaml); {usage}")
+        config = load_config(source)
+        output_dir = Path(config.output_dir)
+        checkpoint = _checkpoint_of(output_dir) if output_dir.is_dir() else None
+        if checkpoint is None and not base_only:
+            raise QLoraError(
+                f"{source}: its output_dir {output_dir} holds no checkpoint yet; train first "
+                f"(qlora train {source}) or add --base-only to run the base model alone"
+            )
+        if checkpoint is not None:
+            config = read_checkpoint_config(checkpoint)
+    else:
+        checkpoint = source if (source / STATE_FILE).is_file() else _checkpoint_of(source)
+        if checkpoint is None:
+            raise QLoraError(f"{source} holds no complete checkpoint and is not a checkpoint folder; {usage}")
+        config = read_checkpoint_config(checkpoint)
+    return config, None if base_only else checkpoint
+
+
+def _checkpoint_of(output_dir: Path) -> Path | None:
+    return usable_checkpoint(output_dir, "generate with it: `qlora generate {checkpoint} …`")
+
+
+def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:
+    """The run's tokenizer with the chat template its (first) dataset rendered with."""
+    tokenizer = run_tokenizer(folder, config)
+    if not config.datasets:
+        return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+    return dataset_template(tokenizer, config.datasets[0], config)
+
+
+def end_of_turn_id(tokenizer: ChatTokenizer, variables: dict) -> int | None:
+    """The special token the chat template closes an assistant turn with, if it has one."""
+    if tokenizer.chat_template is None:
+        return None
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.render_chat(messages, **variables)
+    except QLoraError:
+        return None
+    after = text[text.find(_PROBE) + len(_PROBE) :] if _PROBE in text else ""
+    found = [(after.find(t), t) for t in tokenizer.special_tokens if t in after]
+    return tokenizer.token_to_id(min(found)[1]) if found else None
+
+
+def load_source(source: Path, *, base_only: bool = False, device: str = "auto") -> GenerationSource:
+    """Load SOURCE's base model (NF4 when the run quantized it) on `device`, with its adapter."""
+    started = time.perf_counter()
+    torch_device = select_device(device, "--device")
+    config, checkpoint = find_source(source, base_only=base_only)
+    adapter = None
+    if checkpoint is not None:
+        try:
+            adapter = load_file(str(checkpoint / ADAPTER_FILE))
+        except FileNotFoundError:
+            raise QLoraError(f"checkpoint {checkpoint} is incomplete: {ADAPTER_FILE} is missing") from None
+        except (SafetensorError, OSError) as err:
+            raise QLoraError(f"{checkpoint / ADAPTER_FILE} is corrupt: {err}") from None
+    try:
+        folder = resolve_model(config.base_model, config.revision)
+    except QLoraError as err:
+        raise QLoraError(f"cannot find the base model of {source}: {err}") from None
+    tokenizer = chat_tokenizer(config, folder)
+    model = QLoRAModel.from_pretrained(
+        folder,
+        quantize=config.quantize,
+        lora=lora_config(config) if adapter is not None else None,
+        device=torch_device,
+        dtype=compute_dtype(config, torch_device),
+    )
+    if adapter is not None:
+        load_adapter_state(model, adapter, str(checkpoint / ADAPTER_FILE))
+    model.eval().requires_grad_(False)
+    variables = dict(config.chat_template_kwargs)
+    stop_ids = {tokenizer.eos_token_id}
+    if (end_of_turn := end_of_turn_id(tokenizer, variables)) is not None:
+        stop_ids.add(end_of_turn)
+    return GenerationSource(
+        model, tokenizer, config, checkpoint, variables, stop_ids, time.perf_counter() - started
+    )

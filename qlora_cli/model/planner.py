@@ -1,0 +1,171 @@
+"""GPU memory of a training step: how many layers recompute, whether their inputs go to host
+memory, and the peak that follows.
+
+Recomputing a layer costs about a third more of its forward time; keeping its activations costs
+memory. With `gradient_checkpointing: auto` we keep as many layers as the budget holds. A
+recomputed layer keeps only its input, and with `activation_offloading` not even that: it waits in
+pinned host memory (qlora_cli/model/offload.py), copied while the GPU computes.
+"""
+
+from __future__ import annotations
+
+from qlora_cli.model.sliced_mlp import slice_tokens
+from qlora_cli.sources.weights import ModelSpec
+
+BF16 = 2
+LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
+HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
+
+
+def frozen_weight_bytes(spec: ModelSpec) -> int:
+    """NF4 projections (half a byte a weight plus about 1/64 byte of absmax) and bf16 embeddings."""
+    projections = sum(out * inp for out, inp in spec.projection_shapes().values()) * spec.num_layers
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return int(projections * (0.5 + 1 / 64)) + embeddings * BF16
+
+
+def lora_weights_per_layer(spec: ModelSpec, lora_r: int) -> int:
+    return sum(lora_r * (out + inp) for out, inp in spec.projection_shapes().values())
+
+
+def trainable_state_bytes(spec: ModelSpec, lora_r: int) -> int:
+    """fp32 LoRA weights, their gradients and two AdamW moments."""
+    return lora_weights_per_layer(spec, lora_r) * spec.num_layers * 4 * 4
+
+
+def kept_activation_bytes(spec: ModelSpec, tokens: int, lora_dropout: float = 0.0) -> int:
+    """What one layer saves for backward when it is not recomputed (bf16).
+
+    Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
+    rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
+    LoRA input, and down keeps the SwiGLU output.
+    """
+    qkv = spec.q_size + 2 * spec.kv_size
+    per_token = (
+        3 * spec.hidden_size  # layer input, residual, normed input
+        + qkv  # projected q, k, v
+        + spec.q_size
+        + spec.kv_size  # rotated q and k
+        + spec.q_size  # attention output
+        + 2 * spec.hidden_size  # residual after attention, normed
+        + 2 * spec.intermediate_size  # gate/up
+    )
+    if lora_dropout:
+        per_token += 2 * spec.hidden_size + spec.q_size + 2 * spec.intermediate_size
+    return tokens * per_token * BF16
+
+
+def checkpointed_activation_bytes(spec: ModelSpec, tokens: int) -> int:
+    """A recomputed layer keeps only its input, the residual stream."""
+    return tokens * spec.hidden_size * BF16
+
+
+def recomputed_layer_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
+    """What a recomputed layer holds on the GPU between its forward and its backward."""
+    return 0 if offload else checkpointed_activation_bytes(spec, tokens)
+
+
+def kept_layer_bytes(spec: ModelSpec, tokens: int, lora_r: int, lora_dropout: float = 0.0) -> int:
+    """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
+    backward (kernels.linear, kernels.swiglu)."""
+    return kept_activation_bytes(spec, tokens, lora_dropout) + lora_weights_per_layer(spec, lora_r) * BF16
+
+
+def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
+    """The most one layer's backward holds at once beside what every layer keeps.
+
+    Fitted to peaks measured on an H200 at Qwen2.5-7B (8K, 16K and 32K tokens) and checked at
+    1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's activations and their gradients come to 9.5 rows of
+    hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
+    for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
+    shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks.
+    """
+    per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
+    mlp = 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
+    scratch = max(out * inp for out, inp in spec.projection_shapes().values())
+    return int((tokens * per_token + mlp + scratch) * BF16) + LOSS_WORKING
+
+
+def fixed_bytes(spec: ModelSpec, lora_r: int) -> int:
+    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r)
+
+
+def estimated_peak_bytes(
+    spec: ModelSpec,
+    tokens: int,
+    lora_r: int,
+    recomputed: int,
+    *,
+    offload: bool = False,
+    lora_dropout: float = 0.0,
+) -> int:
+    """The planner's estimate of a step's peak GPU memory (allocated, not reserved)."""
+    kept = spec.num_layers - recomputed
+    return (
+        fixed_bytes(spec, lora_r)
+        + kept * kept_layer_bytes(spec, tokens, lora_r, lora_dropout)
+        + recomputed * recomputed_layer_bytes(spec, tokens, offload)
+        + working_bytes(spec, tokens, offload and recomputed > 0)
+    )
+
+
+def layers_to_checkpoint(
+    setting: bool | str,
+    spec: ModelSpec,
+    tokens: int,
+    budget_gb: float | None,
+    lora_r: int,
+    lora_dropout: float = 0.0,
+    *,
+    offload: bool = False,
+) -> int:
+    """Layers (counted from the first) that recompute in backward."""
+    if setting is True:
+        return spec.num_layers
+    if setting is False or budget_gb is None:
+        return 0
+    for recomputed in range(spec.num_layers + 1):
+        peak = estimated_peak_bytes(
+            spec, tokens, lora_r, recomputed, offload=offload, lora_dropout=lora_dropout
+        )
+        if peak <= budget_gb * 2**30:
+            return recomputed
+    return spec.num_layers
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def offloads_activations(
+    setting: bool | str,
+    checkpointing: bool | str,
+    spec: ModelSpec,
+    tokens: int,
+    budget_gb: float | None,
+    lora_r: int,
+    device_type: str,
+    lora_dropout: float = 0.0,
+) -> bool:
+    """`auto`: offload on a GPU whenever layers recompute, if the host has room to pin their inputs.
+
+    The copies run beside the compute, so they cost no time; what they free lets a budget keep more
+    layers. `true` offloads on any device (on the CPU it only exercises the bookkeeping).
+    """
+    if setting != "auto":
+        return bool(setting)
+    if device_type != "cuda":
+        return False
+    if layers_to_checkpoint(checkpointing, spec, tokens, budget_gb, lora_r, lora_dropout) == 0:
+        return False
+    host = host_available_bytes()
+    pinned = spec.num_layers * checkpointed_activation_bytes(spec, tokens)
+    return host is None or pinned <= HOST_SHARE * host

@@ -1,0 +1,54 @@
+"""What a config means for the model: the device, the compute dtype and the adapter's shape.
+
+Training, profiling and export all derive these from a TrainConfig the same way; keeping them here
+lets export rebuild a run's model without importing the training loop.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.model.decoder import LoRAConfig
+from qlora_kernels import triton_setup_error
+
+
+def select_device(name: str, option: str = "config key 'device'") -> torch.device:
+    """The torch device `name` asks for: auto (CUDA when there is one), cpu, cuda or cuda:N; `option`
+    names where the name came from, for the error line."""
+    if error := triton_setup_error():
+        raise QLoraError(error)
+    index = re.fullmatch(r"cuda:(\d+)", name)
+    if name not in ("auto", "cpu", "cuda") and index is None:
+        raise QLoraError(f"{option} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QLoraError(f"{option} is {name!r} but no CUDA device is available")
+    if index is not None and int(index[1]) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise QLoraError(
+            f"{option} is {name!r} but there are only {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    if config.bf16 is True or (config.bf16 == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def lora_config(config: TrainConfig) -> LoRAConfig:
+    """The adapter shape a config asks for."""
+    return LoRAConfig(
+        r=config.lora_r,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        target_modules=tuple(config.target_modules),
+        use_rslora=config.peft_use_rslora,
+        train_norms=config.train_norms,
+    )

@@ -1,0 +1,171 @@
+"""The adapter in PEFT's layout: tensor names, adapter_config.json, and loading it back.
+
+PEFT names a LoRA tensor after the module it wraps inside `PeftModel(Qwen*ForCausalLM)`, e.g.
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`; trained norms are saved the way
+PEFT saves `modules_to_save`, under the norm's own name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.names import ALL_PROJECTIONS
+
+PREFIX = "base_model.model."
+
+
+def _module_path(proj: str) -> str:
+    return ("self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + proj
+
+
+def trainable_tensors(model) -> dict[str, torch.Tensor]:
+    """Every trainable tensor of the model under its PEFT name (live parameters, not copies)."""
+    named: dict[str, torch.Tensor] = {}
+    for index, layer in enumerate(model.layers):
+        base = f"{PREFIX}model.layers.{index}."
+        for group in layer.projections.values():
+            for proj, a in group.lora_A.items():
+                named[f"{base}{_module_path(proj)}.lora_A.weight"] = a
+                named[f"{base}{_module_path(proj)}.lora_B.weight"] = group.lora_B[proj]
+        if model.lora is not None and model.lora.train_norms:
+            named[f"{base}input_layernorm.weight"] = layer.input_layernorm
+            named[f"{base}post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            if layer.q_norm is not None:
+                named[f"{base}self_attn.q_norm.weight"] = layer.q_norm
+                named[f"{base}self_attn.k_norm.weight"] = layer.k_norm
+    if model.lora is not None and model.lora.train_norms:
+        named[f"{PREFIX}model.norm.weight"] = model.norm
+    return named
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    return {
+        name: t.detach().to("cpu", torch.float32).contiguous() for name, t in trainable_tensors(model).items()
+    }
+
+
+def norm_module_names(model) -> list[str]:
+    """The norm modules a PEFT adapter must list in modules_to_save when norms train."""
+    if model.lora is None or not model.lora.train_norms:
+        return []
+    names = ["input_layernorm", "post_attention_layernorm", "norm"]
+    if model.spec.qk_norm:
+        names += ["q_norm", "k_norm"]
+    return names
+
+
+def adapter_config(model, config: TrainConfig) -> dict:
+    lora = model.lora
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": config.base_model,
+        "revision": config.revision,
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.use_rslora,
+        "target_modules": sorted(lora.target_modules),
+        "modules_to_save": norm_module_names(model) or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+    }
+
+
+def load_adapter_state(model, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy saved adapter tensors into the live parameters, refusing any that do not fit."""
+    live = trainable_tensors(model)
+    missing = [name for name in live if name not in tensors]
+    if missing:
+        raise QLoraError(
+            f"{source}: adapter has no tensor {missing[0]} (was it trained with other LoRA targets?)"
+        )
+    for name, param in live.items():
+        saved = tensors[name]
+        if saved.shape != param.shape:
+            raise QLoraError(
+                f"{source}: adapter tensor {name} has shape {list(saved.shape)}, the model needs {list(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(saved)
+
+
+NORM_MODULES = {"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm"}
+
+
+def read_peft_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json and adapter_model.safetensors of a PEFT LoRA adapter folder."""
+    folder = Path(folder)
+    try:
+        saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except FileNotFoundError as err:
+        raise QLoraError(
+            f"lora_model_dir {folder}: no {Path(err.filename).name} (a PEFT adapter folder has "
+            "adapter_config.json and adapter_model.safetensors)"
+        ) from None
+    except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise QLoraError(f"lora_model_dir {folder}: cannot read the adapter ({err})") from None
+    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
+        raise QLoraError(f"lora_model_dir {folder}: adapter_config.json is not a LoRA adapter's")
+    return saved, tensors
+
+
+def _adapter_targets(saved: dict, source: str) -> list[str]:
+    targets = saved.get("target_modules")
+    if targets == "all-linear":
+        return list(ALL_PROJECTIONS)
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets or set(targets) - set(ALL_PROJECTIONS):
+        raise QLoraError(
+            f"lora_model_dir {source}: target_modules {saved.get('target_modules')!r} are not among "
+            f"{', '.join(ALL_PROJECTIONS)}"
+        )
+    return [p for p in ALL_PROJECTIONS if p in targets]
+
+
+def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[TrainConfig, list[str]]:
+    """The config with the shape of the adapter it starts from (rank, alpha, targets, rsLoRA, norms),
+    as PEFT loads an adapter with its own settings; a note names each key that changed."""
+    unsupported = [
+        key
+        for key in ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern")
+        if saved.get(key)
+    ]
+    extra_modules = set(saved.get("modules_to_save") or []) - NORM_MODULES
+    if unsupported or extra_modules:
+        what = ", ".join(unsupported + sorted(extra_modules))
+        raise QLoraError(f"lora_model_dir {source}: the adapter uses {what}, which qlora does not train")
+    try:
+        adopted = {
+            "lora_r": int(saved["r"]),
+            "lora_alpha": float(saved["lora_alpha"]),
+            "peft_use_rslora": bool(saved.get("use_rslora", False)),
+            "train_norms": bool(saved.get("modules_to_save")),
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise QLoraError(f"lora_model_dir {source}: adapter_config.json has no valid {err}") from None
+    targets = _adapter_targets(saved, source)
+    changed = [
+        f"{key} {getattr(config, key)!r} -> {value!r}"
+        for key, value in adopted.items()
+        if getattr(config, key) != value
+    ]
+    if set(config.target_modules) != set(targets):
+        changed.append(f"lora_target_modules -> {targets}")
+    adopted.update(lora_target_modules=targets, lora_target_linear=False)
+    notes = (
+        [f"lora_model_dir: training continues the adapter's shape ({'; '.join(changed)})"] if changed else []
+    )
+    return dataclasses.replace(config, **adopted), notes

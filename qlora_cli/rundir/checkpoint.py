@@ -1,0 +1,215 @@
+"""Checkpoint folders: written whole or not at all, found again on resume, pruned one run at a time.
+
+A checkpoint is built in a hidden temporary folder, every file fsynced, then renamed into
+`checkpoint-<step>`; a folder that goes away (pruned, or replaced by a newer save of the same step) is
+first renamed to a hidden name and only then deleted. A crash at any moment therefore leaves every
+`checkpoint-<step>` folder complete. Each checkpoint records the run it belongs to, so pruning, resume
+and export never take another run's. Only safetensors, JSON and YAML are written and read back: never
+pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qlora_cli.config.loading import config_from_dict, read_yaml, save_config
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError, WriteFailed
+from qlora_cli.core.files import describe, fsync_dir, fsync_tree, save_tensors, write_json
+from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
+
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+TEMP_PREFIX = ".tmp-checkpoint-"
+DISCARD_PREFIX = ".old-checkpoint-"
+STATE_FILE = "trainer_state.json"
+CHECKPOINT_FILES = (
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "config.yaml",
+    STATE_FILE,
+)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The optimizer's state as flat tensors (safetensors) plus its hyperparameters (JSON)."""
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, slots in state["state"].items():
+        for slot, value in slots.items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{index}.{slot}"] = value.detach().to("cpu").contiguous()
+    return tensors, {"param_groups": state["param_groups"]}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, slot = key.split(".", 1)
+        state.setdefault(int(index), {})[slot] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint folder of every run, oldest first. Temporary folders are never listed."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for entry in output_dir.iterdir():
+        match = CHECKPOINT_NAME.match(entry.name)
+        if match and entry.is_dir() and (entry / STATE_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def checkpoint_run(folder: Path) -> str | None:
+    """The run id a checkpoint records (None for checkpoints written before runs had ids).
+
+    An unreadable trainer_state.json raises QLoraError."""
+    return read_trainer_state(folder).get("run_id")
+
+
+def run_checkpoints(output_dir: Path, run_id: str | None) -> list[tuple[int, Path]]:
+    """The readable checkpoints of one run, oldest first."""
+    found = []
+    for step, folder in list_checkpoints(output_dir):
+        try:
+            if checkpoint_run(folder) == run_id:
+                found.append((step, folder))
+        except QLoraError:
+            continue
+    return found
+
+
+def remove_partial(output_dir: Path) -> None:
+    """Leftovers of a save or a removal that was killed midway."""
+    for prefix in (TEMP_PREFIX, DISCARD_PREFIX):
+        for entry in Path(output_dir).glob(prefix + "*"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def discard(folder: Path) -> None:
+    """Remove a checkpoint folder so that no crash can leave part of it under its listed name."""
+    hidden = folder.with_name(f"{DISCARD_PREFIX}{folder.name}-{os.getpid()}")
+    folder.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def write_adapter(folder: Path, model, config: TrainConfig) -> None:
+    save_tensors(adapter_state_dict(model), folder / "adapter_model.safetensors")
+    write_json(folder / "adapter_config.json", adapter_config(model, config))
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    model,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    config: TrainConfig,
+) -> Path:
+    """Write checkpoint-<step> atomically, then prune this run's old ones down to save_total_limit.
+
+    A failed write (a full disk, a folder that went read-only) raises WriteFailed naming the file and
+    the reason; the temporary folder is removed and earlier checkpoints are untouched.
+    """
+    output_dir = Path(output_dir)
+    final = output_dir / f"checkpoint-{step}"
+    temp = output_dir / f"{TEMP_PREFIX}{step}-{os.getpid()}"
+    previous = run_checkpoints(output_dir, trainer_state.get("run_id"))
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial(output_dir)
+        temp.mkdir()
+        write_adapter(temp, model, config)
+        tensors, meta = optimizer_tensors(optimizer)
+        save_tensors(tensors, temp / "optimizer.safetensors")
+        write_json(temp / "optimizer.json", meta)
+        save_config(config, temp / "config.yaml")
+        write_json(temp / STATE_FILE, trainer_state)
+        fsync_tree(temp)
+        if final.exists():
+            discard(final)
+        temp.rename(final)
+        fsync_dir(output_dir)
+    except OSError as err:
+        kept = [folder for s, folder in previous if s != step]
+        intact = f"; the last complete checkpoint is still {kept[-1]}" if kept else ""
+        raise WriteFailed(f"could not write checkpoint {final}: {describe(err, temp)}{intact}") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    if config.save_total_limit:
+        for _, old in run_checkpoints(output_dir, trainer_state.get("run_id"))[: -config.save_total_limit]:
+            discard(old)
+    return final
+
+
+def read_checkpoint_config(folder: Path) -> TrainConfig:
+    try:
+        return config_from_dict(read_yaml(Path(folder) / "config.yaml"))
+    except QLoraError as err:
+        raise QLoraError(f"checkpoint {folder}: {err}") from None
+
+
+def read_trainer_state(folder: Path) -> dict:
+    path = Path(folder) / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QLoraError(f"checkpoint {folder} has no {STATE_FILE}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+        raise QLoraError(f"{path} is corrupt: {err}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise QLoraError(f"{path} is corrupt: it has no step")
+    return state
+
+
+def _read_files(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    state = read_trainer_state(folder)
+    try:
+        adapter = load_file(str(folder / "adapter_model.safetensors"))
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+        meta = json.loads((folder / "optimizer.json").read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise QLoraError(f"checkpoint {folder} is incomplete: {Path(err.filename).name} is missing") from None
+    except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise QLoraError(f"checkpoint {folder} is corrupt: {err}") from None
+    return state, adapter, tensors, meta
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (a missing or unreadable file), or None when it can."""
+    folder = Path(folder)
+    try:
+        _read_files(folder)
+        read_checkpoint_config(folder)
+        json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except QLoraError as err:
+        return str(err)
+    except FileNotFoundError:
+        return f"checkpoint {folder} is incomplete: adapter_config.json is missing"
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"checkpoint {folder} is corrupt: adapter_config.json: {err}"
+    return None
+
+
+def load_checkpoint(folder: Path, model, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore adapter weights and optimizer state in place; returns the trainer state."""
+    folder = Path(folder)
+    state, adapter, tensors, meta = _read_files(folder)
+    load_adapter_state(model, adapter, str(folder))
+    try:
+        restore_optimizer(optimizer, tensors, meta)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise QLoraError(f"checkpoint {folder}: optimizer state does not fit this model: {err}") from None
+    return state

@@ -1,0 +1,25 @@
+"""The tokenizer a run renders and packs with: the base's, with the config's special tokens, and the chat
+template each dataset chooses. Training, `qlora data` and generation take it from here alike."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from qlora_cli.config.schema import DatasetConfig, TrainConfig
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.tokenizer import ChatTokenizer
+
+
+def run_tokenizer(folder: Path, config: TrainConfig) -> ChatTokenizer:
+    """The base's tokenizer with the config's special_tokens: what training renders and packs with."""
+    tokenizer = ChatTokenizer.from_folder(folder)
+    tokenizer.use_special_tokens(**dataclasses.asdict(config.special_tokens))
+    return tokenizer
+
+
+def dataset_template(tokenizer: ChatTokenizer, dataset: DatasetConfig, config: TrainConfig) -> ChatTokenizer:
+    """The tokenizer rendering `dataset`: its own chat template where it sets one, else the config's."""
+    if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
+        return choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
+    return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)

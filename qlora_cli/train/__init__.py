@@ -1,0 +1,23 @@
+"""The training loop and its parts: the run built from a config, the step API, CUDA graphs, DDP, signals,
+progress and trackers. Imports everything below it (core, config, sources, data, model, rundir)."""
+
+from qlora_cli.train.loop import TrainResult, resume, train
+from qlora_cli.train.run import Run, build_run
+from qlora_cli.train.step import (
+    evaluate,
+    learning_rate,
+    optimizer_step,
+    train_step,
+)
+
+__all__ = [
+    "Run",
+    "TrainResult",
+    "build_run",
+    "evaluate",
+    "learning_rate",
+    "optimizer_step",
+    "resume",
+    "train",
+    "train_step",
+]

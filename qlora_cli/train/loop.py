@@ -1,0 +1,426 @@
+"""The training loop: step, log, evaluate, checkpoint, and stop cleanly.
+
+`_train` reads as the run's sequence: build it, restore it when resuming, then for each optimizer step
+run it (qlora_cli/train/step.py), fold it into the metrics window, evaluate when due, log, checkpoint when
+due, and stop on a signal. Each of those is a named piece below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from qlora_cli.config.loading import apply_override, config_from_dict, config_to_dict, parse_override
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
+from qlora_cli.core.files import describe, replace_file
+from qlora_cli.model.settings import compute_dtype, select_device
+from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
+from qlora_cli.rundir.folder import ADAPTER_FILES, latest_checkpoint, owned_output_dir, usable_checkpoint
+from qlora_cli.train.distributed import Distributed, check_world_size, distributed
+from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
+from qlora_cli.train.run import Run, build_run
+from qlora_cli.train.signals import StopSignals
+from qlora_cli.train.step import evaluate, learning_rate, optimizer_step, train_step
+from qlora_cli.train.trackers import Trackers
+
+# Keys that fix the shape or meaning of the trained weights: a checkpoint cannot continue under others.
+BREAKING_KEYS = (
+    "base_model",
+    "revision",
+    "load_in_4bit",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_target_linear",
+    "peft_use_rslora",
+    "train_norms",
+)
+
+# Wraps each optimizer step: a context manager opened with the run's device.
+StepObserver = Callable[[torch.device], AbstractContextManager]
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    step: int
+    loss: float | None
+    checkpoint: Path | None
+    startup_s: float | None = None  # from `train` being called to the first step starting
+    seconds: float | None = None  # from `train` being called to its end
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step as every rank agrees on it."""
+
+    loss_sum: float  # summed token loss of all ranks
+    trained_tokens: int
+    input_tokens: int  # of all ranks, padding included
+    grad_norm: float
+    stop_signal: int  # the signal any rank received (0: none): stop after this step
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.trained_tokens)
+
+
+class LossWatchdog:
+    """Stops a run whose loss stays above a threshold for `patience` steps in a row: training broke down."""
+
+    def __init__(self, threshold: float | None, patience: int | None):
+        self.threshold = threshold
+        self.patience = patience or 3
+        self.high: list[float] = []
+
+    def too_high(self, loss: float) -> bool:
+        if self.threshold is None:
+            return False
+        self.high = self.high + [loss] if loss > self.threshold else []
+        return len(self.high) >= self.patience
+
+    def describe(self) -> str:
+        losses = ", ".join(f"{loss:.4g}" for loss in self.high)
+        return f"loss above loss_watchdog_threshold {self.threshold:g} for {len(self.high)} steps in a row ({losses})"
+
+
+class MetricWindow:
+    """Loss, tokens and time since the last logged step: what one metrics.jsonl record averages."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self._restart()
+
+    def _restart(self) -> None:
+        self.loss_sum, self.trained_tokens, self.input_tokens = 0.0, 0, 0
+        self.start = time.perf_counter()
+        self.extra: dict = {}
+
+    def add(self, outcome: StepOutcome) -> None:
+        self.loss_sum += outcome.loss_sum
+        self.trained_tokens += outcome.trained_tokens
+        self.input_tokens += outcome.input_tokens
+
+    def due(self, done: int) -> bool:
+        return done % self.run.config.logging_steps == 0 or done == self.run.total_steps
+
+    def close(self, done: int, grad_norm: float) -> dict:
+        """The window's record, ending at optimizer step `done` (1-based); the next window starts now."""
+        run = self.run
+        elapsed = max(1e-9, time.perf_counter() - self.start)
+        peaks = run.dist.all_gather_json(memory_gib(run.device))
+        batches_per_step = run.config.gradient_accumulation_steps * run.dist.world_size
+        record = {
+            "step": done,
+            "loss": self.loss_sum / max(1, self.trained_tokens),
+            "lr": learning_rate(run.config, done - 1, run.total_steps),
+            "grad_norm": grad_norm,
+            "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
+            "trained_tokens": self.trained_tokens,
+            "input_tokens": self.input_tokens,
+            "seconds": elapsed,
+            "tokens_per_s": self.input_tokens / elapsed,
+            "memory_gib": None if peaks[0] is None else max(peaks),
+        }
+        if run.dist.active:
+            record["memory_gib_per_rank"] = peaks
+        record.update(self.extra)
+        self._restart()
+        return record
+
+
+def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
+    """Rank 0 writes the checkpoint, with the tracker runs' ids; the others wait until it is written.
+
+    No RNG state: training draws nothing from torch's generators (LoRA dropout hashes a seed made from
+    the run's seed and the micro-batch, qlora_cli/train/step.py), so the step alone places a resumed run."""
+    plan, dist = run.train_plan, run.dist
+    epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
+    state = {
+        "step": step,
+        "total_steps": run.total_steps,
+        "epoch": epoch,
+        "batch_index": index,
+        "world_size": dist.world_size,
+        "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
+        "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
+        "metrics": metrics[-100:],
+        "trackers": trackers.state(),
+        "run_id": run.run_id,
+    }
+    folder = Path(run.config.output_dir) / f"checkpoint-{step}"
+    if dist.is_main:
+        folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
+        trackers.saved(folder, step)
+    dist.barrier()
+    return folder
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume_from: Path | None = None,
+    console: Console | None = None,
+    observe_step: StepObserver | None = None,
+) -> TrainResult:
+    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint.
+
+    With `observe_step`, every optimizer step runs inside `observe_step(device)`, and the steps run
+    eagerly (no CUDA graphs), so that what it times is each op: `qlora profile` passes its recorder's
+    `step` (qlora_cli/profiler/recorder.py).
+
+    Under torchrun every process calls this and they share the work (distributed.py); rank 0 alone
+    prints and writes files. The run owns its output_dir while it trains (qlora_cli/rundir/folder.py), and
+    signals are answered from the start (qlora_cli/train/signals.py).
+    """
+    started = time.perf_counter()
+    if resume_from is None:
+        resume_from = configured_resume(config)
+    console = console or Console(stderr=True)
+    output_dir = Path(config.output_dir)
+    trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
+    with (
+        StopSignals(console, output_dir) as signals,
+        distributed(select_device(config.device)) as dist,
+        owned_output_dir(
+            output_dir, resume_from=resume_from, overwrite=config.overwrite_output_dir, writer=dist.is_main
+        ) as ownership,
+    ):
+        if not dist.is_main:
+            console = signals.console = Console(quiet=True)
+        signals.resume_option = dist.resume_option
+        for folder in ownership.set_aside:
+            console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
+        result = _train(
+            config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started
+        )
+    return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+
+def configured_resume(config: TrainConfig) -> Path | None:
+    """The checkpoint the config says to continue: resume_from_checkpoint, or with
+    auto_resume_from_checkpoints the newest complete one in output_dir (none there: a fresh start)."""
+    if config.auto_resume_from_checkpoints:
+        return latest_checkpoint(Path(config.output_dir))
+    if config.resume_from_checkpoint is None:
+        return None
+    checkpoint = Path(config.resume_from_checkpoint)
+    if not checkpoint.is_dir():
+        raise QLoraError(f"config key 'resume_from_checkpoint': {checkpoint} is not a checkpoint folder")
+    return checkpoint
+
+
+def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
+    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights."""
+    for key in BREAKING_KEYS:
+        if getattr(config, key) != getattr(saved, key):
+            raise QLoraError(
+                f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
+                f"{getattr(config, key)!r}, which changes the trained weights"
+            )
+
+
+def _train(
+    config: TrainConfig,
+    dist: Distributed,
+    resume_from: Path | None,
+    console: Console,
+    signals: StopSignals,
+    trackers: Trackers,
+    run_id: str | None,
+    observe_step: StepObserver | None = None,
+    started: float | None = None,
+) -> TrainResult:
+    """`started`: when the caller began, so that the start-up reported covers its part too."""
+    started = time.perf_counter() if started is None else started
+    if resume_from is not None:
+        check_world_size(resume_from, dist.world_size)
+    run = build_run(config, dist, eager=observe_step is not None, check_space=dist.is_main)
+    run.run_id = run_id
+    config = run.config
+    if resume_from is not None:
+        check_continues(read_checkpoint_config(resume_from), config, resume_from)
+    output_dir = Path(config.output_dir)
+    with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
+        start, metrics, tracker_state = _restore(run, resume_from, out)
+        if dist.is_main:
+            trackers.start(output_dir, start, tracker_state, warn=out.print)
+        _announce(run, trackers, out)
+        log = _metrics_log(run, None if resume_from is None else start)
+        watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
+        last_checkpoint, loss = resume_from, None
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+        startup = time.perf_counter() - started
+        out.print(_startup_line(run, startup))
+        window = MetricWindow(run)
+        window.extra["startup_s"] = startup
+        window.extra.update({f"startup_{part}_s": seconds for part, seconds in run.startup_s.items()})
+        with out.progress(run.total_steps, start) as progress:
+            for step in range(start, run.total_steps):
+                signals.training(step + 1)
+                with observe_step(run.device) if observe_step else contextlib.nullcontext():
+                    outcome = _run_step(run, step, signals, watchdog, last_checkpoint)
+                done, loss = step + 1, outcome.loss
+                window.add(outcome)
+                record = window.close(done, outcome.grad_norm) if window.due(done) else None
+                record = _with_evaluation(run, done, record)
+                if record is not None:
+                    _publish(record, log, metrics, progress, trackers)
+                progress.advance_to(done)
+                if outcome.stop_signal or _checkpoint_due(run, done):
+                    last_checkpoint = _save(run, done, metrics, trackers)
+                if outcome.stop_signal:
+                    raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
+        if last_checkpoint is not None and dist.is_main:
+            _write_final_adapter(run, last_checkpoint)
+        total = time.perf_counter() - started
+        out.to_file(
+            f"finished: {run.total_steps} steps in {total:.1f} s (start-up {startup:.1f} s), adapter in {output_dir}"
+        )
+    return TrainResult(output_dir, run.total_steps, loss, last_checkpoint, startup)
+
+
+def _restore(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
+    """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
+    fresh start's. An "rng" entry that older checkpoints hold is not read: nothing draws from it."""
+    if resume_from is None:
+        return 0, [], {}
+    state = load_checkpoint(resume_from, run.model, run.optimizer)
+    out.print(f"resuming from {resume_from} at step {state['step']}")
+    return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
+
+
+def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
+    for note in run.notes + trackers.notes:
+        out.print(f"[yellow]note:[/] {note}")
+    n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
+    out.print(
+        f"{run.model.spec.model_type} · {run.model.spec.num_layers} layers · "
+        f"{'NF4' if run.config.quantize else 'unquantized'} base · {n_trainable:,} trainable parameters · "
+        f"{run.train_plan.num_batches} micro-batches per epoch · {run.total_steps} steps on {run.device}"
+    )
+    if run.dist.active:
+        out.print(f"data parallel over {run.dist.world_size} processes ({run.dist.device.type})")
+
+
+def _startup_line(run: Run, seconds: float) -> str:
+    """How long the run took to reach its first step, and what that went to."""
+    parts = run.startup_s
+    return (
+        f"start-up {seconds:.1f} s to the first step: data {parts.get('data', 0.0):.1f} s (read, tokenize, "
+        f"pack), model {parts.get('model', 0.0):.1f} s (load, quantize)"
+    )
+
+
+def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
+    """Rank 0 writes metrics.jsonl; a resumed run drops the lines past its checkpoint's step."""
+    if not run.dist.is_main:
+        return None
+    return MetricsLog(Path(run.config.output_dir) / "metrics.jsonl", resumed_at)
+
+
+def _run_step(
+    run: Run, step: int, signals: StopSignals, watchdog: LossWatchdog, last_checkpoint: Path | None
+) -> StepOutcome:
+    """Forward, backward and update of optimizer step `step`; every rank learns of any rank's
+    signal here, so all stop after the same step. A non-finite loss, or one the watchdog finds too
+    high for too long, stops the run before the update."""
+    loss_sum, trained, inputs = train_step(run, step)
+    loss_sum, inputs = run.dist.sum(loss_sum, inputs)
+    stop_signal = int(run.dist.max(signals.received or 0))
+    kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
+    if not math.isfinite(loss_sum):
+        raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+    if watchdog.too_high(loss_sum / max(1, trained)):
+        raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
+    grad_norm = optimizer_step(run, step)
+    return StepOutcome(loss_sum, trained, int(inputs), grad_norm, stop_signal)
+
+
+def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:
+    """The step's record with the validation loss added when an evaluation is due."""
+    if run.eval_plan is None or not run.eval_every or done % run.eval_every:
+        return record
+    eval_loss, eval_ppl = evaluate(run)
+    record = record or {"step": done}
+    record.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
+    return record
+
+
+def _publish(
+    record: dict, log: MetricsLog | None, metrics: list[dict], progress: StepProgress, trackers: Trackers
+) -> None:
+    """One logged step, to metrics.jsonl, the checkpoint's history, the screen and the trackers."""
+    if log is not None:
+        log.write(record)
+    metrics.append(record)
+    progress.update(record)
+    trackers.log(record)
+
+
+def _checkpoint_due(run: Run, done: int) -> bool:
+    first = run.config.save_first_step and done == 1
+    return bool(run.save_every and done % run.save_every == 0) or first or done == run.total_steps
+
+
+def _interrupted(run: Run, stop_signal: int, done: int, checkpoint: Path) -> RunInterrupted:
+    name = signal.Signals(stop_signal).name
+    return RunInterrupted(
+        f"{name} received: stopped after step {done}, checkpoint saved in {checkpoint}; "
+        f"continue with `qlora resume {Path(run.config.output_dir)}{run.dist.resume_option}`",
+        stop_signal,
+    )
+
+
+def _write_final_adapter(run: Run, checkpoint: Path) -> None:
+    """The last checkpoint's adapter files, also at the top of output_dir where users look first."""
+    output_dir = Path(run.config.output_dir)
+    for name in ADAPTER_FILES:
+        try:
+            replace_file(output_dir / name, (checkpoint / name).read_bytes())
+        except OSError as err:
+            raise WriteFailed(
+                f"could not write the final adapter: {describe(err, output_dir / name)}"
+            ) from None
+
+
+def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None) -> TrainResult:
+    """Continue a run from its newest complete checkpoint (or the one given)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise QLoraError(f"{output_dir} is not a folder with checkpoints")
+    use_instead = f"continue from it with `qlora resume {output_dir} --checkpoint {{checkpoint}}`"
+    checkpoint = Path(checkpoint) if checkpoint else usable_checkpoint(output_dir, use_instead)
+    if checkpoint is None:
+        raise QLoraError(f"{output_dir} has no complete checkpoint to resume from")
+    if not checkpoint.is_dir():
+        raise QLoraError(f"checkpoint {checkpoint} does not exist")
+    saved = read_checkpoint_config(checkpoint)
+    raw = config_to_dict(saved)
+    for text in overrides:
+        apply_override(raw, *parse_override(text))
+    config = _same_folder_as_saved(config_from_dict(raw), saved)
+    check_continues(saved, config, checkpoint)
+    config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
+    return train(config, resume_from=checkpoint, console=console)
+
+
+def _same_folder_as_saved(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
+    """An override naming the saved base model's folder another way (relative, through a link) is no change."""
+    given, kept = Path(config.base_model).expanduser(), Path(saved.base_model)
+    if given.exists() and kept.exists() and given.resolve() == kept.resolve():
+        return dataclasses.replace(config, base_model=saved.base_model)
+    return config

@@ -1,0 +1,224 @@
+"""A training run built from a config: the model, its optimizer, the batch plans, the processes.
+
+`qlora train`, `qlora profile` and the tests build a run the same way, through `build_run`, and
+step it through qlora_cli/train/step.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.data.examples import BatchPlan, prepare_data
+from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.planner import layers_to_checkpoint, offloads_activations
+from qlora_cli.model.settings import compute_dtype, lora_config, select_device
+from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
+from qlora_cli.rundir.folder import check_free_space, space_needed
+from qlora_cli.sources.hub import model_reference, resolve_model
+from qlora_cli.sources.run_tokenizer import run_tokenizer
+from qlora_cli.sources.weights import read_spec
+from qlora_cli.train.distributed import Distributed
+from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
+
+
+@dataclass(kw_only=True)
+class Run:
+    """What a training run is made of, built once from a config."""
+
+    config: TrainConfig
+    device: torch.device
+    model: QLoRAModel
+    optimizer: torch.optim.Optimizer
+    train_plan: BatchPlan
+    eval_plan: BatchPlan | None
+    total_steps: int
+    notes: list[str]
+    dist: Distributed
+    loss_module: torch.nn.Module
+    graphed: GraphedLoss | None = None
+    eval_every: int | None = None  # optimizer steps between evaluations
+    save_every: int | None = None  # optimizer steps between checkpoints
+    run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
+    startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
+
+    @staticmethod
+    def packed_doc_ids(batch, plan: BatchPlan):
+        """Document ids matter only in packed rows; a padded single-document row is plain causal."""
+        return batch.doc_ids if plan.sample_packing else None
+
+
+def _absolute(value):
+    """Local paths (alone, in lists or in mappings) made absolute; anything else (a hub id, a glob) as is."""
+    if isinstance(value, list):
+        return [_absolute(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _absolute(item) for key, item in value.items()}
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def portable_config(config: TrainConfig, model_folder: Path) -> TrainConfig:
+    """The config as checkpoints save it: local paths absolute and a hub model pinned to the commit it
+    was downloaded at, so that the run resumes and exports the same from any directory (build_run
+    pins hub datasets once they are downloaded: qlora_cli/data/examples.py, pinned_dataset)."""
+    base_model, revision = model_reference(config.base_model, config.revision, model_folder)
+    datasets = [
+        dataclasses.replace(d, path=_absolute(d.path), data_files=_absolute(d.data_files))
+        for d in config.datasets
+    ]
+    return dataclasses.replace(
+        config,
+        base_model=base_model,
+        revision=revision,
+        datasets=datasets,
+        output_dir=str(Path(config.output_dir).expanduser().resolve()),
+    )
+
+
+def build_run(
+    config: TrainConfig,
+    dist: Distributed | None = None,
+    *,
+    eager: bool = False,
+    check_space: bool = False,
+) -> Run:
+    """The run a config describes. eager: launch op by op even where CUDA graphs could replay the
+    micro-batches (a profile times ops one by one). check_space: before any weights load, make sure
+    output_dir has room for the checkpoints and adapter of this model."""
+    dist = dist or Distributed(device=select_device(config.device))
+    device = dist.device
+    dtype = compute_dtype(config, device)
+    folder = resolve_model(config.base_model, config.revision)
+    spec = read_spec(folder)
+    if check_space:
+        check_free_space(Path(config.output_dir), space_needed(spec, config))
+    config = portable_config(config, folder)
+    if config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+        )
+    tokenizer = run_tokenizer(folder, config)
+    notes = list(config.notes)
+    start_adapter = None
+    if config.lora_model_dir is not None:
+        saved, start_adapter = read_peft_adapter(resolve_model(config.lora_model_dir))
+        config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
+        notes += adopted
+    data_start = time.perf_counter()
+    data = prepare_data(config, tokenizer)
+    config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
+    notes += data.notes()
+    train_examples, eval_examples = data.train, data.validation
+    plan_args = dict(
+        micro_batch_size=config.micro_batch_size,
+        sequence_len=config.sequence_len,
+        sample_packing=config.sample_packing,
+        seed=config.seed,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    train_plan = BatchPlan(train_examples, **plan_args)
+    eval_packing = config.sample_packing if config.eval_sample_packing is None else config.eval_sample_packing
+    eval_plan = (
+        BatchPlan(eval_examples, **{**plan_args, "sample_packing": eval_packing}) if eval_examples else None
+    )
+    data_s = time.perf_counter() - data_start
+    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
+    steps_per_epoch = max(1, math.ceil(batches_per_step))
+    eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
+    if eval_every and eval_plan is None:
+        notes.append("no validation set (val_set_size is 0): nothing to evaluate")
+    tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
+    offload_setting = config.activation_offloading
+    if dist.world_size > 1 and offload_setting:
+        if offload_setting is True:
+            notes.append(
+                "activation_offloading: not with several processes yet (DDP's gradient hooks do not "
+                "follow an offloaded layer's own backward); recomputed layers keep their input on the GPU"
+            )
+        offload_setting = False
+    offload = offloads_activations(
+        offload_setting,
+        config.gradient_checkpointing,
+        spec,
+        tokens_per_micro_batch,
+        config.memory_budget_gb,
+        config.lora_r,
+        device.type,
+        config.lora_dropout,
+    )
+    checkpointed = layers_to_checkpoint(
+        config.gradient_checkpointing,
+        spec,
+        tokens_per_micro_batch,
+        config.memory_budget_gb,
+        config.lora_r,
+        config.lora_dropout,
+        offload=offload,
+    )
+    if offload and not checkpointed:
+        notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
+        offload = False
+    model_start = time.perf_counter()
+    model = QLoRAModel.from_pretrained(
+        folder,
+        quantize=config.quantize,
+        lora=lora_config(config),
+        device=device,
+        dtype=dtype,
+        attention_backend=config.attention,
+        checkpoint_layers=checkpointed,
+        offload_activations=offload,
+        seed=config.seed,
+    )
+    if start_adapter is not None:
+        load_adapter_state(model, start_adapter, config.lora_model_dir)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    model_s = time.perf_counter() - model_start
+    optimizer = torch.optim.AdamW(
+        model.trainable_parameters(),
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+        fused=config.optimizer == "adamw_torch_fused",
+    )
+    loss_module = dist.wrap(model)
+    graphed = None
+    if not eager:
+        graphed = graphed_loss_for(config, loss_module, device, spec.vocab_size, dist.world_size)
+    return Run(
+        config=config,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        train_plan=train_plan,
+        eval_plan=eval_plan,
+        total_steps=total_steps,
+        notes=notes,
+        dist=dist,
+        loss_module=loss_module,
+        graphed=graphed,
+        eval_every=eval_every,
+        save_every=_every(config.save_steps, config.saves_per_epoch, steps_per_epoch),
+        startup_s={"data": data_s, "model": model_s},
+    )
+
+
+def _every(steps: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
+    """Optimizer steps between evaluations or saves: given as steps, or as a count per epoch."""
+    if per_epoch is None:
+        return steps
+    return max(1, math.ceil(steps_per_epoch / per_epoch))

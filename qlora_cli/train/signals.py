@@ -1,0 +1,98 @@
+"""Ctrl-C and SIGTERM during a run: counted, answered, and never silent.
+
+Before the first step there is nothing worth saving, so the first signal stops the run at once. From
+the first step on, the first signal lets the step finish and a checkpoint be saved; the second says the
+save is being finished and asks for patience; the third abandons the run and names the last complete
+checkpoint. Every one of these ends with a line, and no signal ever interrupts a checkpoint halfway
+into a state that resume would pick (qlora_cli/rundir/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qlora_cli.core.errors import RunAborted
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_at_once(signum: int, frame) -> None:
+    """The handler outside a training loop: there is nothing to finish, so stop, with a line."""
+    raise RunAborted(f"{signal.Signals(signum).name} received; stopped", signum)
+
+
+def answer_signals() -> None:
+    """Every command answers SIGINT and SIGTERM with a line (qlora_cli/cli.py installs this first)."""
+    for sig in SIGNALS:
+        signal.signal(sig, stop_at_once)
+
+
+def ignore_signals() -> None:
+    """Once a command has its last line to print, a late Ctrl-C must not cut it off or kill the exit."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class StopSignals:
+    """Installs the handlers for the length of a run; the loop reads `received` after each step."""
+
+    def __init__(self, console: Console, output_dir: Path, resume_option: str = ""):
+        self.console = console
+        self.output_dir = Path(output_dir)
+        self.resume_option = resume_option
+        self.received: int | None = None
+        self.count = 0
+        self.step: int | None = None  # the optimizer step in progress (1-based); None before training
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def training(self, step: int) -> None:
+        """Optimizer step `step` (1-based) is under way: a first signal now waits for it and its save."""
+        self.step = step
+
+    def _handle(self, signum: int, frame) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.step is None:
+            raise RunAborted(f"{name} received before the first step; nothing was saved", signum)
+        if self.count == 1:
+            self.received = signum
+            self.console.print(
+                f"[yellow]{name} received:[/] finishing step {self.step} and saving a checkpoint "
+                f"(two more {name} abort without saving)",
+                highlight=False,
+            )
+        elif self.count == 2:
+            self.console.print(
+                f"[yellow]{name} received again:[/] finishing step {self.step} and writing its checkpoint; "
+                f"please wait, this takes a moment (one more {name} aborts without it)",
+                highlight=False,
+            )
+        elif self.count == 3:
+            raise RunAborted(self._abandoned(name), signum)
+
+    def _abandoned(self, name: str) -> str:
+        from qlora_cli.rundir.folder import latest_checkpoint  # the CLI installs signals before torch loads
+
+        last = latest_checkpoint(self.output_dir)
+        if last is None:
+            kept = "no checkpoint was saved"
+        else:
+            kept = (
+                f"the last complete checkpoint is {last}; continue with "
+                f"`qlora resume {self.output_dir}{self.resume_option}`"
+            )
+        return f"{name} received three times: aborted during step {self.step} without saving it; {kept}"
