@@ -102,12 +102,14 @@ if TRITON_AVAILABLE:
         docs_stride_t,
         WIDTH: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         """fp32 bias + sum_j w[:, K-1-j] x[t-j] for a [BLOCK_T, BLOCK_C] tile, zeros past t's document."""
         c_mask = c < channels
         t_mask = (t >= 0) & (t < seq)
         doc = tl.load(docs_ptr + t * docs_stride_t, mask=t_mask, other=-1)
-        z = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
+        z = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(WIDTH):
             src = t - j
             src_ok = t_mask & (src >= 0)
@@ -157,6 +159,8 @@ if TRITON_AVAILABLE:
             docs_stride_t,
             WIDTH,
             HAS_BIAS,
+            BLOCK_T,
+            BLOCK_C,
         )
         if SILU:
             z = z * tl.sigmoid(z)
@@ -217,6 +221,8 @@ if TRITON_AVAILABLE:
                 docs_stride_t,
                 WIDTH,
                 HAS_BIAS,
+                BLOCK_T,
+                BLOCK_C,
             )
             dz = tl.load(
                 dy_ptr + rows[:, None] * dy_stride_t + c[None, :],

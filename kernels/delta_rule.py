@@ -199,8 +199,9 @@ if TRITON_AVAILABLE:
         BLOCK_H: tl.constexpr,
     ):
         """Per head, the sum of x over the tokens of the same chunk and document up to each token
-        (REVERSE: from it on), as a product with a 0/1 matrix: a document start restarts the sum
-        instead of offsetting it, so nothing large ever cancels."""
+        (REVERSE: from it on), as a product with a 0/1 matrix. Only differences within a document
+        and sums in the document the state enters with are ever read, so restarting at a document
+        start only keeps |b| small (and exp(b_i - b_j) precise); no large offset ever cancels."""
         batch = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         heads = tl.arange(0, BLOCK_H)
@@ -907,6 +908,8 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 _MAX_HEAD_DIM = 256
+# The chunk kernels hold several [64, Dk] fp32 tiles at once; 8 warps keep them in registers at 128.
+_WARPS = 8
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
@@ -1081,6 +1084,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         CHUNK=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=_block(v_dim),
+        num_warps=_WARPS,
     )
     o = torch.empty(batch, seq, v_heads, v_dim, dtype=v.dtype, device=device)
     final = (
@@ -1121,6 +1125,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         HAS_INITIAL=initial_state is not None,
         STORE_FINAL=output_final_state,
         STORE_STATES=store_states,
+        num_warps=_WARPS,
     )
     saved = (t, w, u, aqk, h, delta) if store_states else None
     return o, final if output_final_state else None, saved
@@ -1229,6 +1234,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         BLOCK_V=block_v,
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
+        num_warps=_WARPS,
     )
     dq, dk, dw, db = dq_part.sum(0), dk_part.sum(0), dw_part.sum(0), db_part.sum(0)
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
@@ -1272,6 +1278,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         CHUNK=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=_block(v_dim),
+        num_warps=_WARPS,
     )
     return dq, dk, dv, dbeta, db, dh0 if initial_state is not None else None
 

@@ -86,12 +86,14 @@ def _grads(outputs, leaves, out_grads):
 
 
 @pytest.mark.parametrize(
-    ("packed", "with_state", "normalize_qk"),
-    [(False, False, True), (True, True, True), (False, True, False)],
+    ("batch", "seq", "k_heads", "packed", "with_state", "normalize_qk"),
+    [(1, SEQ, 2, False, False, True), (2, SEQ, 1, True, True, True), (1, 100, 2, False, True, False)],
     ids=["one-document", "packed-with-state", "unnormalized-with-state"],
 )
-def test_triton_matches_reference(packed, with_state, normalize_qk):
-    leaves = _inputs()
+def test_triton_matches_reference(batch, seq, k_heads, packed, with_state, normalize_qk):
+    """Two k-heads serving four v-heads check the head mapping; Dk = 24, Dv = 40 pad to 32 and
+    split over two Dv blocks of the scans; T = 150 ends on a partial chunk."""
+    leaves = _inputs(batch=batch, seq=seq, k_heads=k_heads, v_heads=2 * k_heads)
     if not normalize_qk:
         # Unnormalised keys must keep the recurrence contractive (beta |k|^2 < 2) to be a fair test.
         with torch.no_grad():
@@ -200,3 +202,101 @@ def test_reference_matches_transformers(form):
     ours, final = gated_delta_rule_reference(q, k, v, g, beta, initial_state=state, output_final_state=True)
     _assert_close(ours, hf, name="o")
     _assert_close(final, hf_final, name="final state")
+
+
+# Qwen3.5-9B's Gated DeltaNet: 16 k-heads, 32 v-heads, head dims 128; two packed rows of 2048.
+GPU_SHAPE = {"batch": 2, "seq": 2048, "k_heads": 16, "v_heads": 32, "k_dim": 128, "v_dim": 128}
+GPU_PACKED = [[700, 1, 1283, 64], [1024, 1024]]
+
+# bf16 q, k, v, beta and incoming gradients, compared with the fp32 reference run on the same
+# (upcast) values: the kernels read them exactly and compute in fp32, so what differs is the one
+# bf16 rounding of each stored output and gradient (2^-9 = 0.2% relative, one ulp 0.4%) plus the
+# fp32 reordering (1e-5, as above, with T = 2048). 1% of the largest value leaves room for
+# entries that are rounded just below a larger neighbour; the planted mistakes are off by 10%+.
+BF16_TOL = 1e-2
+
+
+def _gpu_case(seed=0):
+    leaves = _inputs(**GPU_SHAPE, seed=seed, device="cuda")
+    q, k, v, g, beta, state = (t.detach() for t in leaves)
+    bf16 = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+    return [*bf16, g.requires_grad_(True), beta.bfloat16().requires_grad_(True), state.requires_grad_(True)]
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_against_fp32_reference():
+    leaves = _gpu_case()
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    out = _run(gated_delta_rule, leaves, doc_ids, True)
+    ref = _run(gated_delta_rule_reference, ref_leaves, doc_ids, True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(ref[0].shape, generator=generator, device="cuda").bfloat16()
+    dfinal = torch.randn(ref[1].shape, generator=generator, device="cuda")
+    assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32
+    _assert_close(out[0], ref[0], BF16_TOL, "o")
+    _assert_close(out[1], ref[1], BF16_TOL, "final state")
+    grads = torch.autograd.grad(out, leaves, (do, dfinal))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, (do.float(), dfinal))
+    for name, actual, expected, leaf in zip(
+        ["dq", "dk", "dv", "dg", "dbeta", "dstate"], grads, ref_grads, leaves, strict=True
+    ):
+        assert actual.dtype == leaf.dtype
+        _assert_close(actual, expected, BF16_TOL, name)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_row_equals_documents_one_by_one():
+    q, k, v, g, beta, _ = (t.detach() for t in _gpu_case(seed=2))
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    o, _ = gated_delta_rule(q, k, v, g, beta, doc_ids)
+    for row, lengths in enumerate(GPU_PACKED):
+        start = 0
+        for n in lengths:
+            part = [t[row : row + 1, start : start + n] for t in (q, k, v, g, beta)]
+            alone, _ = gated_delta_rule(*part)
+            # Chunks fall elsewhere in the document alone, so fp32 sums differ by 1e-5 before the
+            # bf16 rounding; an entry may then round one ulp (0.4%) apart.
+            _assert_close(o[row : row + 1, start : start + n], alone, BF16_TOL, f"row {row} at {start}")
+            start += n
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager():
+    """Forward + backward captured in one graph, and the decode step in another, replay bit for bit
+    as eager calls: no host syncs and no value-dependent shapes in the Triton path."""
+    leaves = _gpu_case(seed=3)
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
+
+    def step():
+        o, final = _run(gated_delta_rule, leaves, doc_ids, True)
+        return (o, final, *torch.autograd.grad((o, final), leaves, (do, torch.ones_like(final))))
+
+    expected = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for actual, want in zip(captured, expected, strict=True):
+        torch.testing.assert_close(actual, want, atol=0, rtol=0)
+
+    q, k, v, g, beta, state = (t.detach() for t in leaves)
+    eager_state, graph_state = state.clone(), state.clone()
+    eager_o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], eager_state)
+    warm = state.clone()
+    gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], warm)
+    step_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(step_graph):
+        graph_o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], graph_state)
+    graph_state.copy_(state)
+    step_graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_o, eager_o, atol=0, rtol=0)
+    torch.testing.assert_close(graph_state, eager_state, atol=0, rtol=0)
