@@ -1,0 +1,129 @@
+"""The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
+
+Usage: python -m benchmarks.delta_rule [--json FILE]
+Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) of
+kernels.delta_rule.gated_delta_rule, of fla's chunk_gated_delta_rule when it imports (its backward
+refuses on Hopper with triton < 3.7.1; the row then says so) and of transformers'
+torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document
+and (ours only) packed with documents of 512 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.output import add_json_option, write_json
+from qlora_cli.profiler.timing import measure
+from qlora_kernels.delta_rule import gated_delta_rule
+
+K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
+SHAPES = [(4, 2048), (1, 32768)]
+PACKED_LENGTH = 512
+
+
+def inputs(batch: int, seq: int) -> list[torch.Tensor]:
+    def leaf(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda").to(dtype).requires_grad_()
+
+    q, k = leaf(batch, seq, K_HEADS, K_DIM), leaf(batch, seq, K_HEADS, K_DIM)
+    v = leaf(batch, seq, V_HEADS, V_DIM)
+    g = (-torch.nn.functional.softplus(torch.randn(batch, seq, V_HEADS, device="cuda"))).requires_grad_()
+    beta = torch.rand(batch, seq, V_HEADS, device="cuda").bfloat16().requires_grad_()
+    return [q, k, v, g, beta]
+
+
+def ours(doc_ids: torch.Tensor | None) -> Callable:
+    return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+
+
+def fla_chunk() -> Callable | None:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return None
+    return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def transformers_chunk() -> Callable | None:
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True
+    )[0]
+
+
+def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
+    """Forward under no_grad, then forward+backward; an implementation that raises gets the error."""
+    do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
+
+    def forward():
+        with torch.no_grad():
+            fn(*leaves)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(do)
+
+    result = {}
+    for name, call in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        try:
+            result[name] = measure(call, "cuda", repeats=10, warmup=2).median_ms
+        except Exception as error:  # noqa: BLE001 - reported in the table, not fatal
+            result[name] = None
+            result[f"{name} error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_option(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.delta_rule needs a CUDA device")
+    results = []
+    for batch, seq in SHAPES:
+        leaves = inputs(batch, seq)
+        doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
+        implementations = {
+            "ours": ours(None),
+            f"ours, packed {PACKED_LENGTH}": ours(doc_ids),
+            "fla chunk_gated_delta_rule": fla_chunk(),
+            "transformers torch_chunk_gated_delta_rule": transformers_chunk(),
+        }
+        rows = {}
+        for name, fn in implementations.items():
+            rows[name] = (
+                time_one(fn, leaves)
+                if fn is not None
+                else {"fwd": None, "fwd+bwd": None, "error": "not importable"}
+            )
+        base = rows["ours"]
+        print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
+        print(
+            f"{'implementation':45s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd vs ours':>12s} {'f+b vs ours':>12s}"
+        )
+        for name, row in rows.items():
+            cells = []
+            for key in ("fwd", "fwd+bwd"):
+                cells.append(f"{row[key]:.3f}" if row[key] is not None else "-")
+            ratios = []
+            for key in ("fwd", "fwd+bwd"):
+                ok = row[key] is not None and base[key]
+                ratios.append(f"{row[key] / base[key]:.2f}x" if ok else "-")
+            print(f"{name:45s} {cells[0]:>9s} {cells[1]:>11s} {ratios[0]:>12s} {ratios[1]:>12s}")
+            for key, value in row.items():
+                if "error" in key:
+                    print(f"    {key}: {value}")
+        results.append({"batch": batch, "seq": seq, "implementations": rows})
+    write_json(args.json, "benchmarks.delta_rule", {"shapes": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Gated delta rule (Qwen3.5's Gated DeltaNet core): Triton (interpreter on CPU) against the
+token-by-token reference, and the reference against transformers."""
+
+import pytest
+import torch
+
+from qlora_kernels.delta_rule import (
+    CHUNK,
+    GatedDeltaRuleFunction,
+    gated_delta_rule,
+    gated_delta_rule_reference,
+    gated_delta_rule_step,
+    gated_delta_rule_step_reference,
+)
+
+# Tolerance, as a fraction of the expected tensor's largest magnitude. In fp32 every output, state
+# and gradient entry is a sum of at most T (<= 200) products whose partial sums stay within a few
+# times that magnitude, and the chunked form adds them in another order (in-chunk products, a
+# triangular solve, a chunk-level scan) than the token loop. Each rounding is half an ulp (6e-8),
+# and independent roundings grow like sqrt(terms): 6e-8 * sqrt(200) * a few ~ 3e-6. The decays
+# exp(b_i - b_j) are differences of cumulative sums (|b| <= 64 * 0.5 here), which adds an
+# ulp-sized relative error of |b| * 6e-8 ~ 2e-6. 1e-5 is three times that; every planted mistake
+# (a missed reset, a lost decay, a dropped gradient term) is off by 1e-2 or more.
+TOL = 1e-5
+
+SEQ, K_HEADS, V_HEADS, K_DIM, V_DIM = 150, 1, 2, 24, 40
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = TOL, name: str = ""):
+    error = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert error <= tol * scale, f"{name}: max error {error:.3e} > {tol} * {scale:.3e}"
+
+
+def _doc_ids(lengths_per_row: list[list[int]], ids_per_row: list[list[int]] | None = None) -> torch.Tensor:
+    rows = []
+    for r, lengths in enumerate(lengths_per_row):
+        ids = ids_per_row[r] if ids_per_row else range(len(lengths))
+        rows.append(torch.cat([torch.full((n,), i) for i, n in zip(ids, lengths, strict=True)]))
+    return torch.stack(rows)
+
+
+# Row 0: a document ending exactly at the chunk boundary, then one of length 1 starting on it, then
+# one starting mid-chunk. Row 1: a start mid-chunk (100), one on the second boundary (128) of
+# length 1, and a document id that comes back (0) as a new document, since documents start where
+# doc_ids changes.
+PACKED = _doc_ids([[CHUNK, 1, 30, SEQ - CHUNK - 31], [100, 28, 1, SEQ - 129]], [[0, 1, 2, 3], [0, 1, 0, 2]])
+
+
+def _inputs(
+    batch=2, seq=SEQ, k_heads=K_HEADS, v_heads=V_HEADS, k_dim=K_DIM, v_dim=V_DIM, seed=0, device="cpu"
+):
+    """Leaves shaped as the model makes them: g = -exp(A_log) * softplus(.) <= 0, beta a sigmoid."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device)
+
+    q = randn(batch, seq, k_heads, k_dim)
+    k = randn(batch, seq, k_heads, k_dim)
+    v = randn(batch, seq, v_heads, v_dim)
+    g = -torch.nn.functional.softplus(randn(batch, seq, v_heads)) * 0.5
+    beta = torch.sigmoid(randn(batch, seq, v_heads))
+    state = randn(batch, v_heads, k_dim, v_dim) * 0.5
+    return [t.requires_grad_(True) for t in (q, k, v, g, beta, state)]
+
+
+def _run(fn, leaves, doc_ids, with_state, normalize_qk=True):
+    q, k, v, g, beta, state = leaves
+    return fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        doc_ids,
+        normalize_qk=normalize_qk,
+        initial_state=state if with_state else None,
+        output_final_state=with_state,
+    )
+
+
+def _grads(outputs, leaves, out_grads):
+    pairs = [(o, d) for o, d in zip(outputs, out_grads, strict=True) if o is not None]
+    return torch.autograd.grad([o for o, _ in pairs], leaves, [d for _, d in pairs], allow_unused=True)
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "k_heads", "packed", "with_state", "normalize_qk"),
+    [(1, SEQ, 2, False, False, True), (2, SEQ, 1, True, True, True), (1, 100, 2, False, True, False)],
+    ids=["one-document", "packed-with-state", "unnormalized-with-state"],
+)
+def test_triton_matches_reference(batch, seq, k_heads, packed, with_state, normalize_qk):
+    """Two k-heads serving four v-heads check the head mapping; Dk = 24, Dv = 40 pad to 32 and
+    split over two Dv blocks of the scans; T = 150 ends on a partial chunk."""
+    leaves = _inputs(batch=batch, seq=seq, k_heads=k_heads, v_heads=2 * k_heads)
+    if not normalize_qk:
+        # Unnormalised keys must keep the recurrence contractive (beta |k|^2 < 2) to be a fair test.
+        with torch.no_grad():
+            leaves[1].mul_(K_DIM**-0.5)
+    doc_ids = PACKED if packed else None
+    grad_leaves = leaves if with_state else leaves[:5]
+    out = _run(gated_delta_rule, leaves, doc_ids, with_state, normalize_qk)
+    ref = _run(gated_delta_rule_reference, leaves, doc_ids, with_state, normalize_qk)
+    assert out[0].grad_fn.name().startswith(GatedDeltaRuleFunction.__name__)
+    generator = torch.Generator().manual_seed(1)
+    out_grads = [None if o is None else torch.randn(o.shape, generator=generator) for o in ref]
+    for name, actual, expected in zip(["o", "final_state"], out, ref, strict=True):
+        assert (actual is None) == (expected is None)
+        if expected is not None:
+            _assert_close(actual, expected, name=name)
+    grads, ref_grads = _grads(out, grad_leaves, out_grads), _grads(ref, grad_leaves, out_grads)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dstate"][: len(grad_leaves)]
+    for name, actual, expected in zip(names, grads, ref_grads, strict=True):
+        _assert_close(actual, expected, name=name)
+
+
+def test_packed_row_equals_documents_one_by_one():
+    """Each document of a packed row, run alone from a zero state (the first from initial_state)."""
+    q, k, v, g, beta, state = (t.detach() for t in _inputs(batch=1, seed=2))
+    lengths = [CHUNK, 1, 30, SEQ - CHUNK - 31]
+    doc_ids = _doc_ids([lengths])
+    o, final = gated_delta_rule(q, k, v, g, beta, doc_ids, initial_state=state, output_final_state=True)
+    start = 0
+    for i, n in enumerate(lengths):
+        part = [t[:, start : start + n] for t in (q, k, v, g, beta)]
+        alone, alone_final = gated_delta_rule(
+            *part, initial_state=state if i == 0 else None, output_final_state=True
+        )
+        _assert_close(o[:, start : start + n], alone, name=f"document {i}")
+        start += n
+    _assert_close(final, alone_final, name="final state")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_documents_reset_the_state(backend):
+    """Packed rows equal their documents run alone, so the state of one never leaks into the next."""
+    fn = gated_delta_rule if backend == "triton" else gated_delta_rule_reference
+    q, k, v, g, beta, state = (t.detach() for t in _inputs(batch=1, seq=80, seed=3))
+    doc_ids = _doc_ids([[50, 30]])
+    o, _ = fn(q, k, v, g, beta, doc_ids, initial_state=state)
+    second, _ = fn(*(t[:, 50:] for t in (q, k, v, g, beta)))
+    _assert_close(o[:, 50:], second)
+    first, _ = fn(*(t[:, :50] for t in (q, k, v, g, beta)), initial_state=state)
+    _assert_close(o[:, :50], first)
+
+
+def _step_inputs(seed):
+    q, k, v, g, beta, state = (t.detach() for t in _inputs(seq=12, seed=seed))
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("normalize_qk", [True, False])
+def test_step_matches_reference_and_full_forward(normalize_qk):
+    """T decode steps from initial_state give the full forward's outputs and final state."""
+    q, k, v, g, beta, state = _step_inputs(4)
+    if not normalize_qk:
+        k = k * K_DIM**-0.5
+    ours, ref_state = state.clone(), state.clone()
+    outputs = []
+    for t in range(q.shape[1]):
+        args = (q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        o = gated_delta_rule_step(*args, ours, normalize_qk=normalize_qk)
+        expected = gated_delta_rule_step_reference(*args, ref_state, normalize_qk=normalize_qk)
+        _assert_close(o, expected, name=f"step {t}")
+        _assert_close(ours, ref_state, name=f"state after step {t}")
+        outputs.append(o)
+    full, final = gated_delta_rule_reference(
+        q, k, v, g, beta, normalize_qk=normalize_qk, initial_state=state, output_final_state=True
+    )
+    _assert_close(torch.stack(outputs, 1), full, name="outputs")
+    _assert_close(ours, final, name="final state")
+
+
+def test_reference_path_without_interpreter(reference_ops):
+    leaves = _inputs(seq=20)
+    o, final = _run(gated_delta_rule, leaves, None, True)
+    ref, ref_final = _run(gated_delta_rule_reference, leaves, None, True)
+    assert "GatedDeltaRule" not in o.grad_fn.name()
+    torch.testing.assert_close(o, ref, atol=0, rtol=0)
+    torch.testing.assert_close(final, ref_final, atol=0, rtol=0)
+
+
+def _transformers():
+    return pytest.importorskip(
+        "transformers.models.qwen3_5.modeling_qwen3_5", reason="transformers without Qwen3.5"
+    )
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_reference_matches_transformers(form):
+    modeling = _transformers()
+    fn = (
+        modeling.torch_recurrent_gated_delta_rule
+        if form == "recurrent"
+        else modeling.torch_chunk_gated_delta_rule
+    )
+    q, k, v, g, beta, state = (t.detach() for t in _inputs(seq=100, seed=5))
+    hf, hf_final = fn(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    ours, final = gated_delta_rule_reference(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    _assert_close(ours, hf, name="o")
+    _assert_close(final, hf_final, name="final state")
+
+
+# Qwen3.5-9B's Gated DeltaNet: 16 k-heads, 32 v-heads, head dims 128; two packed rows of 2048.
+GPU_SHAPE = {"batch": 2, "seq": 2048, "k_heads": 16, "v_heads": 32, "k_dim": 128, "v_dim": 128}
+GPU_PACKED = [[700, 1, 1283, 64], [1024, 1024]]
+
+# bf16 q, k, v, beta and incoming gradients, compared with the fp32 reference run on the same
+# (upcast) values: the kernels read them exactly and compute in fp32, so what differs is the one
+# bf16 rounding of each stored output and gradient (2^-9 = 0.2% relative, one ulp 0.4%) plus the
+# fp32 reordering (1e-5, as above, with T = 2048). 1% of the largest value leaves room for
+# entries that are rounded just below a larger neighbour; the planted mistakes are off by 10%+.
+BF16_TOL = 1e-2
+
+
+def _gpu_case(seed=0):
+    leaves = _inputs(**GPU_SHAPE, seed=seed, device="cuda")
+    q, k, v, g, beta, state = (t.detach() for t in leaves)
+    bf16 = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+    return [*bf16, g.requires_grad_(True), beta.bfloat16().requires_grad_(True), state.requires_grad_(True)]
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_against_fp32_reference():
+    leaves = _gpu_case()
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    out = _run(gated_delta_rule, leaves, doc_ids, True)
+    ref = _run(gated_delta_rule_reference, ref_leaves, doc_ids, True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(ref[0].shape, generator=generator, device="cuda").bfloat16()
+    dfinal = torch.randn(ref[1].shape, generator=generator, device="cuda")
+    assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32
+    _assert_close(out[0], ref[0], BF16_TOL, "o")
+    _assert_close(out[1], ref[1], BF16_TOL, "final state")
+    grads = torch.autograd.grad(out, leaves, (do, dfinal))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, (do.float(), dfinal))
+    for name, actual, expected, leaf in zip(
+        ["dq", "dk", "dv", "dg", "dbeta", "dstate"], grads, ref_grads, leaves, strict=True
+    ):
+        assert actual.dtype == leaf.dtype
+        _assert_close(actual, expected, BF16_TOL, name)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_row_equals_documents_one_by_one():
+    q, k, v, g, beta, _ = (t.detach() for t in _gpu_case(seed=2))
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    o, _ = gated_delta_rule(q, k, v, g, beta, doc_ids)
+    for row, lengths in enumerate(GPU_PACKED):
+        start = 0
+        for n in lengths:
+            part = [t[row : row + 1, start : start + n] for t in (q, k, v, g, beta)]
+            alone, _ = gated_delta_rule(*part)
+            # Chunks fall elsewhere in the document alone, so fp32 sums differ by 1e-5 before the
+            # bf16 rounding; an entry may then round one ulp (0.4%) apart.
+            _assert_close(o[row : row + 1, start : start + n], alone, BF16_TOL, f"row {row} at {start}")
+            start += n
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager():
+    """Forward + backward captured in one graph, and the decode step in another, replay bit for bit
+    as eager calls: no host syncs and no value-dependent shapes in the Triton path."""
+    leaves = _gpu_case(seed=3)
+    doc_ids = _doc_ids(GPU_PACKED).cuda()
+    do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
+
+    def step():
+        o, final = _run(gated_delta_rule, leaves, doc_ids, True)
+        return (o, final, *torch.autograd.grad((o, final), leaves, (do, torch.ones_like(final))))
+
+    expected = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for actual, want in zip(captured, expected, strict=True):
+        torch.testing.assert_close(actual, want, atol=0, rtol=0)
+
+    q, k, v, g, beta, state = (t.detach() for t in leaves)
+    eager_state, graph_state = state.clone(), state.clone()
+    eager_o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], eager_state)
+    warm = state.clone()
+    gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], warm)
+    step_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(step_graph):
+        graph_o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], graph_state)
+    graph_state.copy_(state)
+    step_graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_o, eager_o, atol=0, rtol=0)
+    torch.testing.assert_close(graph_state, eager_state, atol=0, rtol=0)
