@@ -1,7 +1,8 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm and fused residual-add + RMSNorm, with Qwen3.5's zero-centred weight as an option.
 
 The Triton path keeps the statistics in fp32, stores the output once in the activation dtype,
-and saves only the (summed) input and one fp32 inverse RMS per row for backward.
+and saves only the (summed) input and one fp32 inverse RMS per row for backward. A zero-centred
+norm scales by (1 + w) (w initialised to 0); the kernels take that 1 as a weight offset.
 """
 
 import torch
@@ -17,18 +18,31 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen2RMSNorm, op for op: the numerical truth the kernels are checked against."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool = False
+) -> torch.Tensor:
+    """HF Qwen2RMSNorm, op for op: the numerical truth the kernels are checked against.
+
+    zero_centred is HF Qwen3_5RMSNorm instead: it multiplies by (1 + w) in fp32 and casts once at
+    the end, where Qwen2 casts the normalised input to x's dtype before multiplying by w.
+    """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (h * (1.0 + weight.float())).type_as(x)
     return weight * h.to(x.dtype)
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x if residual is None else x + residual
-    return rms_norm_reference(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps, zero_centred=zero_centred), summed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,6 +65,7 @@ if TRITON_AVAILABLE:
         residual_row_stride,
         n_cols,
         eps,
+        weight_offset,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -66,7 +81,7 @@ if TRITON_AVAILABLE:
             x = summed.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         tl.store(rstd_ptr + row, rstd)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         y = (x * rstd) * weight
         tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -83,6 +98,7 @@ if TRITON_AVAILABLE:
         dsummed_row_stride,
         n_rows,
         n_cols,
+        weight_offset,
         HAS_DSUMMED: tl.constexpr,
         COMPUTE_DWEIGHT: tl.constexpr,
         ROWS_PER_PROGRAM: tl.constexpr,
@@ -92,7 +108,7 @@ if TRITON_AVAILABLE:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         dweight = tl.zeros([BLOCK], dtype=tl.float32)
         row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
         for i in range(ROWS_PER_PROGRAM):
@@ -144,8 +160,13 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
         raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
 
 
+def _weight_offset(zero_centred: bool) -> float:
+    """What the kernels add to the stored weight: 1 for a zero-centred norm's (1 + w)."""
+    return 1.0 if zero_centred else 0.0
+
+
 def _rms_norm_forward(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, weight_offset: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual."""
     _check(x, residual, weight)
@@ -167,6 +188,7 @@ def _rms_norm_forward(
         residual2d.stride(0),
         n_cols,
         eps,
+        weight_offset,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
@@ -186,6 +208,7 @@ def _rms_norm_backward(
     summed2d: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
+    weight_offset: float,
     compute_dweight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dx (2-D, includes the gradient arriving through `summed`) and dW (None unless asked)."""
@@ -214,6 +237,7 @@ def _rms_norm_backward(
         dsummed2d.stride(0),
         n_rows,
         n_cols,
+        weight_offset,
         HAS_DSUMMED=dsummed is not None,
         COMPUTE_DWEIGHT=compute_dweight,
         ROWS_PER_PROGRAM=rows_per_program,
@@ -231,33 +255,39 @@ def _rms_norm_backward(
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, weight_offset)
+        ctx.weight_offset = weight_offset
         ctx.save_for_backward(x2d, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_backward(dy, None, x2d, weight, rstd, ctx.needs_input_grad[1])
-        return dx.view(dy.shape), dweight, None
+        dx, dweight = _rms_norm_backward(
+            dy, None, x2d, weight, rstd, ctx.weight_offset, ctx.needs_input_grad[1]
+        )
+        return dx.view(dy.shape), dweight, None, None
 
 
 class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, summed, rstd = _rms_norm_forward(x, residual, weight, eps)
+        y, summed, rstd = _rms_norm_forward(x, residual, weight, eps, weight_offset)
+        ctx.weight_offset = weight_offset
         ctx.save_for_backward(summed, weight, rstd)
         return y.view(x.shape), summed.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor, dsummed: torch.Tensor):
         summed, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_backward(dy, dsummed, summed, weight, rstd, ctx.needs_input_grad[2])
+        dx, dweight = _rms_norm_backward(
+            dy, dsummed, summed, weight, rstd, ctx.weight_offset, ctx.needs_input_grad[2]
+        )
         dx = dx.view(dy.shape)
-        return dx, dx, dweight, None
+        return dx, dx, dweight, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,22 +295,30 @@ class AddRMSNormFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool = False
+) -> torch.Tensor:
     """weight * x / rms(x) over the last dim; dW is computed only when weight requires grad.
 
-    The Triton path returns x's dtype (the activation dtype) even when weight is wider.
+    zero_centred scales by (1 + weight) instead (Qwen3.5's norms, weight initialised to 0). The
+    Triton path returns x's dtype (the activation dtype) even when weight is wider.
     """
     if use_triton(x):
-        return RMSNormFunction.apply(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, _weight_offset(zero_centred))
+    return rms_norm_reference(x, weight, eps, zero_centred=zero_centred)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; the sum is the next residual."""
     if residual is None:
-        return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps, zero_centred=zero_centred), x
     if use_triton(x):
-        return AddRMSNormFunction.apply(x, residual, weight, eps)
-    return add_rms_norm_reference(x, residual, weight, eps)
+        return AddRMSNormFunction.apply(x, residual, weight, eps, _weight_offset(zero_centred))
+    return add_rms_norm_reference(x, residual, weight, eps, zero_centred=zero_centred)
