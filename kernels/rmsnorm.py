@@ -160,7 +160,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
         raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
 
 
-def _weight_offset(zero_centred: bool) -> float:
+def zero_centred_offset(zero_centred: bool) -> float:
     """What the kernels add to the stored weight: 1 for a zero-centred norm's (1 + w)."""
     return 1.0 if zero_centred else 0.0
 
@@ -304,7 +304,7 @@ def rms_norm(
     Triton path returns x's dtype (the activation dtype) even when weight is wider.
     """
     if use_triton(x):
-        return RMSNormFunction.apply(x, weight, eps, _weight_offset(zero_centred))
+        return RMSNormFunction.apply(x, weight, eps, zero_centred_offset(zero_centred))
     return rms_norm_reference(x, weight, eps, zero_centred=zero_centred)
 
 
@@ -320,5 +320,5 @@ def add_rms_norm(
     if residual is None:
         return rms_norm(x, weight, eps, zero_centred=zero_centred), x
     if use_triton(x):
-        return AddRMSNormFunction.apply(x, residual, weight, eps, _weight_offset(zero_centred))
+        return AddRMSNormFunction.apply(x, residual, weight, eps, zero_centred_offset(zero_centred))
     return add_rms_norm_reference(x, residual, weight, eps, zero_centred=zero_centred)
