@@ -5,6 +5,8 @@ sources map each name to what it renders.
 """
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a Qwen3.5 linear-attention (Gated DeltaNet) layer, as transformers names them.
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 # Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads
 # `conversations` with from/value as well as `messages`.
@@ -42,6 +44,15 @@ COMMON_TYPES = "chat_template, sharegpt, alpaca, alpaca_chat, alpaca:chatml, com
 
 # The chat templates qlora ships (qlora_cli/sources/chat_templates.py holds their text), and every name
 # `chat_template` takes.
-SHIPPED_TEMPLATES = ("chatml", "qwen_25", "qwen3")
+SHIPPED_TEMPLATES = (
+    "chatml",
+    "qwen_25",
+    "qwen3",
+    "llama3",
+    "mistral_v1",
+    "mistral_v2v3",
+    "mistral_v3_tekken",
+    "mistral_v7_tekken",
+)
 CHAT_TEMPLATE_NAMES = ("tokenizer_default", *SHIPPED_TEMPLATES, "jinja")
 FALLBACK_TEMPLATE = "tokenizer_default_fallback_"
