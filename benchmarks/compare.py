@@ -59,7 +59,7 @@ def _sync(device: str) -> None:
 
 
 def run_qlora(args, graphs: bool) -> dict:
-    from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+    from qlora_cli.model import LoRAConfig, QLoRAModel
     from qlora_cli.model.planner import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
     from qlora_cli.sources.weights import read_spec
     from qlora_cli.train.graphs import GraphedLoss

@@ -34,7 +34,7 @@ from benchmarks.random_checkpoint import write_checkpoint
 from benchmarks.shapes import QWEN25
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 
 LABELS = {"qlora": "qlora", "hf": "HF+PEFT+bnb", "unsloth": "Unsloth"}
 

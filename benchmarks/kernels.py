@@ -1,4 +1,5 @@
-"""Each Triton kernel against the torch eager composition it replaces, forward + backward, at Qwen2.5-7B shapes.
+"""Each Triton kernel against the torch eager composition it replaces, forward + backward, at Qwen2.5-7B shapes
+(Qwen3.5-9B shapes for the Qwen3.5 variants).
 
 Usage: python -m benchmarks.kernels [--tokens 8192] [--markdown FILE] [--json FILE]
 Prints one row per kernel: median time (CUDA events, qlora_cli/profiler/timing.py) and peak extra
@@ -21,12 +22,15 @@ from qlora_kernels.attention import attention
 from qlora_kernels.cross_entropy import linear_cross_entropy
 from qlora_kernels.linear import lora_linear
 from qlora_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
-from qlora_kernels.rmsnorm import add_rms_norm
-from qlora_kernels.rope import apply_rope
+from qlora_kernels.rmsnorm import add_rms_norm, gated_rms_norm, gated_rms_norm_reference
+from qlora_kernels.rope import apply_rope, rope_reference
+from qlora_kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_reference
 from qlora_kernels.swiglu import swiglu
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 3584, 18944, 28, 4, 128, 152064, 16
 BF16 = torch.bfloat16
+# Qwen3.5-9B: full attention 16 heads (4 kv) of 256 dims, 64 of them rotary; Gated DeltaNet 32 value heads of 128.
+Q35_HEADS, Q35_KV_HEADS, Q35_HEAD_DIM, Q35_ROTARY, Q35_V_HEADS, Q35_V_DIM = 16, 4, 256, 64, 32, 128
 
 
 def time_and_memory(fn: Callable[[], None]) -> tuple[Timing, float]:
@@ -72,6 +76,41 @@ def eager_rope(q, k, positions, inv_freq):
         return torch.cat([-x2, x1], -1)
 
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def qwen3_5_cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
+    """The Qwen3.5 variants against the torch references (HF's eager code, op for op)."""
+    batch, seq = tokens // 2048, 2048
+    q_gate = leaf(batch, seq, Q35_HEADS, 2 * Q35_HEAD_DIM)
+    q, gate = q_gate[..., :Q35_HEAD_DIM], q_gate[..., Q35_HEAD_DIM:]
+    k = leaf(batch, seq, Q35_KV_HEADS, Q35_HEAD_DIM)
+    norm_weight = torch.zeros(Q35_HEAD_DIM, device="cuda", dtype=torch.float32)
+    positions = torch.arange(seq, device="cuda").expand(batch, seq)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, Q35_ROTARY, 2, device="cuda").float() / Q35_ROTARY))
+    rope_args = (q, k, positions, inv_freq, norm_weight, norm_weight, 1e-6)
+    attn = leaf(batch, seq, Q35_HEADS, Q35_HEAD_DIM)
+    o, z = leaf(batch, seq, Q35_V_HEADS, Q35_V_DIM), leaf(batch, seq, Q35_V_HEADS, Q35_V_DIM)
+    v_weight = torch.ones(Q35_V_DIM, device="cuda", dtype=torch.float32)
+    return {
+        "qwen3.5 qk-norm + partial rope": (
+            fwd_bwd(
+                lambda: sum(t.float().sum() for t in apply_rope(*rope_args, zero_centred_norm=True)),
+                [q_gate, k],
+            ),
+            fwd_bwd(
+                lambda: sum(t.float().sum() for t in rope_reference(*rope_args, zero_centred_norm=True)),
+                [q_gate, k],
+            ),
+        ),
+        "qwen3.5 attention output gate": (
+            fwd_bwd(lambda: sigmoid_gate(attn, gate).float().sum(), [attn, q_gate]),
+            fwd_bwd(lambda: sigmoid_gate_reference(attn, gate).float().sum(), [attn, q_gate]),
+        ),
+        "qwen3.5 gated rms_norm": (
+            fwd_bwd(lambda: gated_rms_norm(o, z, v_weight, 1e-6).float().sum(), [o, z]),
+            fwd_bwd(lambda: gated_rms_norm_reference(o, z, v_weight, 1e-6).float().sum(), [o, z]),
+        ),
+    }
 
 
 def cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
@@ -170,7 +209,7 @@ def main() -> None:
     for column in ("kernel", "ours ms", "torch ms", "speed-up", "ours GiB", "torch GiB"):
         table.add_column(column, justify="left" if column == "kernel" else "right")
     rows, results = [], {}
-    for name, (ours, theirs) in cases(args.tokens).items():
+    for name, (ours, theirs) in (cases(args.tokens) | qwen3_5_cases(args.tokens)).items():
         ours_time, ours_gib = time_and_memory(ours)
         torch_time, torch_gib = time_and_memory(theirs)
         ours_ms, torch_ms = ours_time.median_ms, torch_time.median_ms

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from benchmarks.output import add_json_option, write_json
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.profiler.timing import measure
 
 

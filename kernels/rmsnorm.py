@@ -1,10 +1,13 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm and fused residual-add + RMSNorm, with Qwen3.5's zero-centred weight as an option,
+and Qwen3.5's gated RMSNorm (the Gated DeltaNet output: rmsnorm(x) * w * silu(gate)).
 
 The Triton path keeps the statistics in fp32, stores the output once in the activation dtype,
-and saves only the (summed) input and one fp32 inverse RMS per row for backward.
+and saves only the (summed) input, the gate, and one fp32 inverse RMS per row for backward. A
+zero-centred norm scales by (1 + w) (w initialised to 0); the kernels take that 1 as a weight offset.
 """
 
 import torch
+import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
 
@@ -17,18 +20,38 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen2RMSNorm, op for op: the numerical truth the kernels are checked against."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool = False
+) -> torch.Tensor:
+    """HF Qwen2RMSNorm, op for op: the numerical truth the kernels are checked against.
+
+    zero_centred is HF Qwen3_5RMSNorm instead: it multiplies by (1 + w) in fp32 and casts once at
+    the end, where Qwen2 casts the normalised input to x's dtype before multiplying by w.
+    """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (h * (1.0 + weight.float())).type_as(x)
     return weight * h.to(x.dtype)
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x if residual is None else x + residual
-    return rms_norm_reference(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps, zero_centred=zero_centred), summed
+
+
+def gated_rms_norm_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """HF Qwen3_5RMSNormGated, op for op: Qwen2's RMSNorm (plain weight), then silu(gate) in fp32."""
+    return (rms_norm_reference(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,15 +66,19 @@ if TRITON_AVAILABLE:
     def _rms_norm_fwd_kernel(
         x_ptr,
         residual_ptr,
+        gate_ptr,
         weight_ptr,
         y_ptr,
         summed_ptr,
         rstd_ptr,
         x_row_stride,
         residual_row_stride,
+        gate_row_stride,
         n_cols,
         eps,
+        weight_offset,
         HAS_RESIDUAL: tl.constexpr,
+        HAS_GATE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -66,8 +93,11 @@ if TRITON_AVAILABLE:
             x = summed.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         tl.store(rstd_ptr + row, rstd)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         y = (x * rstd) * weight
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * (gate * tl.sigmoid(gate))
         tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -75,15 +105,20 @@ if TRITON_AVAILABLE:
         dy_ptr,
         dsummed_ptr,
         x_ptr,
+        gate_ptr,
         weight_ptr,
         rstd_ptr,
         dx_ptr,
+        dgate_ptr,
         dweight_partial_ptr,
         dy_row_stride,
         dsummed_row_stride,
+        gate_row_stride,
         n_rows,
         n_cols,
+        weight_offset,
         HAS_DSUMMED: tl.constexpr,
+        HAS_GATE: tl.constexpr,
         COMPUTE_DWEIGHT: tl.constexpr,
         ROWS_PER_PROGRAM: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -92,7 +127,7 @@ if TRITON_AVAILABLE:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         dweight = tl.zeros([BLOCK], dtype=tl.float32)
         row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
         for i in range(ROWS_PER_PROGRAM):
@@ -103,6 +138,13 @@ if TRITON_AVAILABLE:
             x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
             x_hat = x * rstd
+            if HAS_GATE:
+                gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=row_mask, other=0.0)
+                gate = gate.to(tl.float32)
+                sigmoid = tl.sigmoid(gate)
+                dgate = dy * x_hat * weight * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+                tl.store(dgate_ptr + offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=row_mask)
+                dy = dy * (gate * sigmoid)
             dy_w = dy * weight
             dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
             if HAS_DSUMMED:
@@ -135,6 +177,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
+def _check_gate(x: torch.Tensor, gate: torch.Tensor) -> None:
+    if gate.shape != x.shape or gate.dtype != x.dtype:
+        raise ValueError(
+            f"gate must match x in shape and dtype, got {gate.dtype} {tuple(gate.shape)} "
+            f"for {x.dtype} {tuple(x.shape)}"
+        )
+
+
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
@@ -144,10 +194,23 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
         raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
 
 
+def zero_centred_offset(zero_centred: bool) -> float:
+    """What the kernels add to the stored weight: 1 for a zero-centred norm's (1 + w)."""
+    return 1.0 if zero_centred else 0.0
+
+
 def _rms_norm_forward(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    gate2d: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual."""
+    """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual.
+
+    gate2d (rows of x's shape, from _rows) multiplies the output by silu(gate).
+    """
     _check(x, residual, weight)
     x2d = _rows(x)
     n_rows, n_cols = x2d.shape
@@ -156,18 +219,23 @@ def _rms_norm_forward(
     summed = torch.empty_like(y) if residual is not None else x2d
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block, num_warps = _block_and_warps(n_cols)
+    gate2d_or_x = gate2d if gate2d is not None else x2d
     _rms_norm_fwd_kernel[(n_rows,)](
         x2d,
         residual2d,
+        gate2d_or_x,
         weight,
         y,
         summed,
         rstd,
         x2d.stride(0),
         residual2d.stride(0),
+        gate2d_or_x.stride(0),
         n_cols,
         eps,
+        weight_offset,
         HAS_RESIDUAL=residual is not None,
+        HAS_GATE=gate2d is not None,
         BLOCK=block,
         num_warps=num_warps,
     )
@@ -186,15 +254,20 @@ def _rms_norm_backward(
     summed2d: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
+    weight_offset: float,
     compute_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dx (2-D, includes the gradient arriving through `summed`) and dW (None unless asked)."""
+    gate2d: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """dx (2-D, includes the gradient arriving through `summed`), dW (None unless asked) and
+    dgate (2-D; None without a gate)."""
     summed2d = summed2d.contiguous()
     n_rows, n_cols = summed2d.shape
     # Gradients may arrive as row-strided views (kernels.linear returns dX beside the LoRA columns).
     dy2d = _rows(dy)
     dsummed2d = _rows(dsummed) if dsummed is not None else dy2d
     dx = torch.empty_like(summed2d)
+    dgate = torch.empty_like(summed2d) if gate2d is not None else None
+    gate2d_or_x = gate2d if gate2d is not None else summed2d
     # A power of two, so the row-loop bound is a compile-time constant with few distinct values.
     rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, _backward_programs(n_rows, dy.device)))
     n_programs = triton.cdiv(n_rows, rows_per_program)
@@ -206,22 +279,27 @@ def _rms_norm_backward(
         dy2d,
         dsummed2d,
         summed2d,
+        gate2d_or_x,
         weight,
         rstd,
         dx,
+        dgate if dgate is not None else dx,
         dweight_partial,
         dy2d.stride(0),
         dsummed2d.stride(0),
+        gate2d_or_x.stride(0),
         n_rows,
         n_cols,
+        weight_offset,
         HAS_DSUMMED=dsummed is not None,
+        HAS_GATE=gate2d is not None,
         COMPUTE_DWEIGHT=compute_dweight,
         ROWS_PER_PROGRAM=rows_per_program,
         BLOCK=block,
         num_warps=num_warps,
     )
     dweight = dweight_partial.sum(0).to(weight.dtype) if compute_dweight else None
-    return dx, dweight
+    return dx, dweight, dgate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,33 +309,56 @@ def _rms_norm_backward(
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, weight_offset)
+        ctx.weight_offset = weight_offset
         ctx.save_for_backward(x2d, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_backward(dy, None, x2d, weight, rstd, ctx.needs_input_grad[1])
-        return dx.view(dy.shape), dweight, None
+        dx, dweight, _ = _rms_norm_backward(
+            dy, None, x2d, weight, rstd, ctx.weight_offset, ctx.needs_input_grad[1]
+        )
+        return dx.view(dy.shape), dweight, None, None
 
 
 class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, summed, rstd = _rms_norm_forward(x, residual, weight, eps)
+        y, summed, rstd = _rms_norm_forward(x, residual, weight, eps, weight_offset)
+        ctx.weight_offset = weight_offset
         ctx.save_for_backward(summed, weight, rstd)
         return y.view(x.shape), summed.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor, dsummed: torch.Tensor):
         summed, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_backward(dy, dsummed, summed, weight, rstd, ctx.needs_input_grad[2])
+        dx, dweight, _ = _rms_norm_backward(
+            dy, dsummed, summed, weight, rstd, ctx.weight_offset, ctx.needs_input_grad[2]
+        )
         dx = dx.view(dy.shape)
-        return dx, dx, dweight, None
+        return dx, dx, dweight, None, None
+
+
+class GatedRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        gate2d = _rows(gate)
+        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, 0.0, gate2d)
+        ctx.save_for_backward(x2d, gate2d, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, gate2d, weight, rstd = ctx.saved_tensors
+        dx, dweight, dgate = _rms_norm_backward(
+            dy, None, x2d, weight, rstd, 0.0, ctx.needs_input_grad[2], gate2d
+        )
+        return dx.view(dy.shape), dgate.view(dy.shape), dweight, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,22 +366,42 @@ class AddRMSNormFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool = False
+) -> torch.Tensor:
     """weight * x / rms(x) over the last dim; dW is computed only when weight requires grad.
 
-    The Triton path returns x's dtype (the activation dtype) even when weight is wider.
+    zero_centred scales by (1 + weight) instead (Qwen3.5's norms, weight initialised to 0). The
+    Triton path returns x's dtype (the activation dtype) even when weight is wider.
     """
     if use_triton(x):
-        return RMSNormFunction.apply(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, zero_centred_offset(zero_centred))
+    return rms_norm_reference(x, weight, eps, zero_centred=zero_centred)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; the sum is the next residual."""
     if residual is None:
-        return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps, zero_centred=zero_centred), x
     if use_triton(x):
-        return AddRMSNormFunction.apply(x, residual, weight, eps)
-    return add_rms_norm_reference(x, residual, weight, eps)
+        return AddRMSNormFunction.apply(x, residual, weight, eps, zero_centred_offset(zero_centred))
+    return add_rms_norm_reference(x, residual, weight, eps, zero_centred=zero_centred)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight * silu(gate) over the last dim (Qwen3.5's Gated DeltaNet output norm,
+    per head: x and gate [..., head_v_dim], weight [head_v_dim] initialised to 1).
+
+    gate matches x in shape and dtype; dW is computed only when weight requires grad.
+    """
+    _check_gate(x, gate)
+    if use_triton(x):
+        return GatedRMSNormFunction.apply(x, gate, weight, eps)
+    return gated_rms_norm_reference(x, gate, weight, eps)

@@ -1,4 +1,5 @@
-"""Tiny random Qwen2 / Qwen3 checkpoints written by transformers itself, for tests to load."""
+"""Tiny random checkpoints of every family qlora trains (Qwen2, Qwen3, Qwen3.5, Llama, Mistral), written by
+transformers itself, with tokenizers of their kind, for tests to load."""
 
 from __future__ import annotations
 
@@ -83,6 +84,260 @@ def write_qwen3(
 
     settings = {**TINY, "vocab_size": vocab_size, "head_dim": 24, "tie_word_embeddings": False, **overrides}
     return _save(Qwen3ForCausalLM(Qwen3Config(**settings)), folder, seed, dtype)
+
+
+# Qwen3.5's shape in small: 3 linear-attention layers then one full one; twice the value heads of the key
+# heads, as the 4B and larger have; rotary over 4 of 16 head dims.
+QWEN3_5_TEXT = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+QWEN3_5_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    in_channels=3,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
+)
+QWEN3_5_TEMPLATE = REPO_ROOT / "tests" / "templates" / "qwen3_5.jinja"
+
+
+def write_qwen3_5(
+    folder: Path,
+    *,
+    layout: str = "text",
+    tie: bool = False,
+    mtp: bool = False,
+    seed: int = 0,
+    dtype=torch.float32,
+    **overrides,
+) -> Path:
+    """Qwen3.5 as Qwen3_5ForCausalLM saves it (layout "text": model.*) or as Qwen publishes it
+    (layout "vl": Qwen3_5ForConditionalGeneration, model.language_model.* beside a vision tower);
+    mtp adds an MTP head's tensors as published checkpoints carry them. With the demo tokenizer and a
+    Qwen3.5-style thinking chat template."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    text = {**QWEN3_5_TEXT, "tie_word_embeddings": tie, **overrides}
+    if layout == "text":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    else:
+        config = Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VISION, tie_word_embeddings=tie)
+        model = Qwen3_5ForConditionalGeneration(config)
+    folder = _save(model, folder, seed, dtype)
+    if mtp:
+        _add_mtp_head(folder, text["hidden_size"])
+    add_demo_tokenizer(folder)
+    shutil.copy(QWEN3_5_TEMPLATE, folder / "chat_template.jinja")
+    return folder
+
+
+def _add_mtp_head(folder: Path, hidden: int) -> None:
+    """A few `mtp.*` tensors (top level, as published), which transformers neither builds nor saves."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.randn(hidden)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def write_llama(
+    folder: Path,
+    *,
+    rope_scaling: dict | None = None,
+    tie: bool = False,
+    vocab_size: int = 320,
+    seed: int = 0,
+    dtype=torch.float32,
+    **overrides,
+) -> Path:
+    """Llama 3.x: llama3 RoPE (or `rope_scaling`, a rope_parameters dict), untied unless `tie` (as
+    Llama 3.2 1B/3B), with a Llama 3-style byte-level BPE tokenizer and Llama 3's header tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = {
+        **TINY,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie,
+        "rope_parameters": dict(rope_scaling or LLAMA3_ROPE),
+        **overrides,
+    }
+    del settings["rope_theta"]
+    folder = _save(LlamaForCausalLM(LlamaConfig(**settings)), folder, seed, dtype)
+    write_llama3_tokenizer(folder, vocab_size)
+    return folder
+
+
+def write_mistral(
+    folder: Path,
+    *,
+    head_dim: int = 32,
+    sliding_window: int | None = None,
+    vocab_size: int = 320,
+    seed: int = 0,
+    dtype=torch.float32,
+    **overrides,
+) -> Path:
+    """Mistral: head_dim decoupled from hidden / heads (4 x 32 != 64, as Mistral Small), no biases, a
+    sliding window only when asked (MistralConfig's own default is 4096), with a SentencePiece-like
+    tokenizer (<unk> <s> </s> [INST] [/INST])."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    settings = {
+        **TINY,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "head_dim": head_dim,
+        "sliding_window": sliding_window,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        **overrides,
+    }
+    del settings["rope_theta"]
+    folder = _save(MistralForCausalLM(MistralConfig(**settings)), folder, seed, dtype)
+    write_mistral_tokenizer(folder, vocab_size)
+    return folder
+
+
+_CORPUS = [
+    "Hello world, this is a tiny corpus.",
+    "The capital of France is Paris.",
+    "12345 apples and 678 pears.",
+    "user asks, assistant answers.\n\nNew lines too.",
+]
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
+
+
+def write_llama3_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Byte-level BPE with Llama 3's split; its special tokens after the BPE vocabulary, as in Llama 3,
+    and BOS prepended by the post-processor (rendered chats are tokenized without it)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(LLAMA3_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 50, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+            ),
+        ]
+    )
+    assert tok.get_vocab_size() <= vocab_size
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+        model_max_length=256,
+    ).save_pretrained(folder)
+
+
+def write_mistral_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer.json like Mistral v0.3's: BPE with byte fallback over Metaspace, <unk>=0 <s>=1 </s>=2."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    specials = [*MISTRAL_SPECIALS, *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator(
+        _CORPUS * 50, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert tok.get_vocab_size() <= vocab_size
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
 
 
 def _save(model, folder: Path, seed: int, dtype) -> Path:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from checkpoints import QWEN25_7B
 
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 
 pytestmark = pytest.mark.gpu
 

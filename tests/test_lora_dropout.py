@@ -7,8 +7,9 @@ import pytest
 import torch
 from checkpoints import QWEN25_7B, write_run
 
-import qlora_cli.model.decoder as model_module
+import qlora_cli.model.lora as lora_module
 from qlora_cli.config.loading import load_config
+from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.train.graphs import GraphedLoss
 from qlora_cli.train.run import build_run
 from qlora_cli.train.step import dropout_seed, train_step
@@ -37,7 +38,7 @@ def test_dropout_seed_moves_with_the_model_and_stays_out_of_its_state():
         num_kv_heads=2,
         head_dim=16,
     )
-    model = model_module.QLoRAModel.on_device(spec, model_module.LoRAConfig(r=2, alpha=4), "cpu")
+    model = QLoRAModel.on_device(spec, LoRAConfig(r=2, alpha=4), "cpu")
     assert model.dropout_seed.item() == 0
     model.set_dropout_seed(dropout_seed(7, 1))
     assert model.dropout_seed.item() == dropout_seed(7, 1)
@@ -60,14 +61,14 @@ def test_masks_differ_between_micro_batches_and_recompute_repeats_them(tmp_path,
     )
     run = build_run(config)
     drawn: dict[tuple[int, int], list[torch.Tensor]] = {}
-    real = model_module.seeded_dropout
+    real = lora_module.seeded_dropout
 
     def recording(x, p, seed, salt, offset=0):
         out = real(x, p, seed, salt, offset)
         drawn.setdefault((int(seed), salt), []).append((out == 0).flatten().clone())
         return out
 
-    monkeypatch.setattr(model_module, "seeded_dropout", recording)
+    monkeypatch.setattr(lora_module, "seeded_dropout", recording)
     for step in range(2):
         train_step(run, step)
         run.optimizer.zero_grad()

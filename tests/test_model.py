@@ -4,7 +4,8 @@ import pytest
 import torch
 from checkpoints import load_transformers, write_qwen2, write_qwen3
 
-from qlora_cli.model.decoder import LoRAConfig, ProjectionGroup, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.lora import ProjectionGroup
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}

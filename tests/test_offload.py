@@ -6,7 +6,7 @@ import torch
 from checkpoints import write_qwen2, write_qwen3
 
 import qlora_cli.model.sliced_mlp as chunked_mlp
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.sliced_mlp import slice_tokens
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}

@@ -9,7 +9,7 @@ from checkpoints import write_run
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import active_profiler, region, timed
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.profiler.command import profile
 from qlora_cli.profiler.recorder import OpProfiler
 from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.model.decoder import LoRAConfig, QLoRAModel
+from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.rundir import checkpoint as checkpoint_module
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,

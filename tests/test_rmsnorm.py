@@ -5,9 +5,12 @@ import torch
 
 from qlora_kernels.rmsnorm import (
     AddRMSNormFunction,
+    GatedRMSNormFunction,
     RMSNormFunction,
     add_rms_norm,
     add_rms_norm_reference,
+    gated_rms_norm,
+    gated_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
 )
@@ -135,6 +138,90 @@ def test_reference_matches_transformers():
         torch.testing.assert_close(rms_norm_reference(x, hf_norm.weight, EPS), hf_norm(x), atol=0, rtol=0)
 
 
+def _zero_centred_weight(hidden: int, requires_grad: bool, generator, dtype=torch.float32, device="cpu"):
+    """Near 0, as Qwen3.5 stores it: scaling by w instead of (1 + w) would all but zero the output."""
+    weight = 0.1 * torch.randn(hidden, generator=generator, dtype=dtype, device=device)
+    return weight.requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("layout", ["batched", "strided", "sliced"])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_zero_centred_matches_reference(layout, with_residual, weight_grad):
+    generator = torch.Generator().manual_seed(5)
+    x_leaf, x = _activations(layout, 72, generator)
+    residual_leaf, residual = _activations(layout, 72, generator)
+    weight = _zero_centred_weight(72, weight_grad, generator)
+    dy = _gradient(x, layout, generator)
+    dsummed = _gradient(x, layout, generator)
+    leaves = [x_leaf, residual_leaf] if with_residual else [x_leaf]
+    leaves += [weight] if weight_grad else []
+    residual = residual if with_residual else None
+
+    out, grads = _outputs_and_grads(
+        lambda: add_rms_norm(x, residual, weight, EPS, zero_centred=True), leaves, (dy, dsummed)
+    )
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: add_rms_norm_reference(x, residual, weight, EPS, zero_centred=True), leaves, (dy, dsummed)
+    )
+
+    function = AddRMSNormFunction if with_residual else RMSNormFunction
+    assert out[0].grad_fn.name().startswith(function.__name__)
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_centred_reference_matches_transformers():
+    """bf16 input: Qwen3.5 multiplies by (1 + w) in fp32 before its one cast, unlike Qwen2."""
+    modeling_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 8, 72, generator=generator).bfloat16()
+    hf_norm = modeling_qwen3_5.Qwen3_5RMSNorm(72, eps=EPS)
+    with torch.no_grad():
+        hf_norm.weight.copy_(_zero_centred_weight(72, False, generator))
+        ours = rms_norm_reference(x, hf_norm.weight, EPS, zero_centred=True)
+        torch.testing.assert_close(ours, hf_norm(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["batched", "strided", "sliced"])
+@pytest.mark.parametrize("hidden", [40, 64])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_gated_rms_norm_matches_reference(layout, hidden, weight_grad):
+    generator = torch.Generator().manual_seed(7)
+    x_leaf, x = _activations(layout, hidden, generator)
+    gate_leaf, gate = _activations(layout, hidden, generator)
+    weight = _weight(hidden, weight_grad, generator)
+    dy = _gradient(x, layout, generator)
+    leaves = [x_leaf, gate_leaf, weight] if weight_grad else [x_leaf, gate_leaf]
+
+    out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: gated_rms_norm_reference(x, gate, weight, EPS), leaves, (dy,)
+    )
+
+    assert out[0].grad_fn.name().startswith(GatedRMSNormFunction.__name__)
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_gated_rms_norm_refuses_a_gate_of_another_shape():
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="gate must match x"):
+        gated_rms_norm(x, torch.randn(2, 3, 8), torch.ones(16), EPS)
+
+
+def test_gated_reference_matches_transformers():
+    """bf16 input, fp32 weight as transformers keeps it: norm, cast, weight, then silu(gate) in fp32."""
+    modeling_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    generator = torch.Generator().manual_seed(8)
+    x, gate = torch.randn(2, 4, 8, 40, generator=generator).bfloat16()
+    hf_norm = modeling_qwen3_5.Qwen3_5RMSNormGated(40, eps=EPS)
+    with torch.no_grad():
+        hf_norm.weight.copy_(_weight(40, False, generator))
+        ours = gated_rms_norm_reference(x, gate, hf_norm.weight, EPS)
+        torch.testing.assert_close(ours, hf_norm(x, gate), atol=0, rtol=0)
+
+
 def _assert_close_to_max(actual: torch.Tensor, expected: torch.Tensor, tol: float):
     """Max abs error within tol of the reference's largest magnitude: bf16 storage vs fp32 math."""
     error = (actual.float() - expected.float()).abs().max().item()
@@ -173,4 +260,56 @@ def test_gpu_bf16_against_fp32_reference(with_residual):
 
     for actual, expected in zip([*out, *grads], [*ref_out, *ref_grads], strict=True):
         assert actual.dtype == torch.bfloat16
+        _assert_close_to_max(actual, expected, BF16_TOL)
+
+
+# Qwen3.5-9B decoder norms: hidden 4096, zero-centred, 2 x 2048 tokens; same 1% bound as above.
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_zero_centred_bf16_against_fp32_reference(with_residual):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape, hidden = (2, 2048, 4096), 4096
+    x = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    residual = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    weight = _zero_centred_weight(hidden, True, generator, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(shape, generator=generator, device="cuda").bfloat16()
+    dsummed = torch.randn(shape, generator=generator, device="cuda").bfloat16()
+    leaves = [x, residual, weight] if with_residual else [x, weight]
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    residuals = (residual, ref_leaves[1]) if with_residual else (None, None)
+    out_grads = (dy, dsummed)
+
+    out, grads = _outputs_and_grads(
+        lambda: add_rms_norm(x, residuals[0], weight, EPS, zero_centred=True), leaves, out_grads
+    )
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: add_rms_norm_reference(ref_leaves[0], residuals[1], ref_leaves[-1], EPS, zero_centred=True),
+        ref_leaves,
+        tuple(g.float() for g in out_grads),
+    )
+
+    for actual, expected in zip([*out, *grads], [*ref_out, *ref_grads], strict=True):
+        assert actual.dtype == torch.bfloat16
+        _assert_close_to_max(actual, expected, BF16_TOL)
+
+
+# Qwen3.5-9B Gated DeltaNet output: 32 value heads of head_v_dim 128, 2 x 2048 tokens; same 1% bound.
+@pytest.mark.gpu
+def test_gpu_gated_bf16_against_fp32_reference():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape, head_v_dim = (2, 2048, 32, 128), 128
+    x = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    gate = torch.randn(shape, generator=generator, device="cuda").bfloat16().requires_grad_(True)
+    weight = _weight(head_v_dim, True, generator, dtype=torch.float32, device="cuda")
+    dy = torch.randn(shape, generator=generator, device="cuda").bfloat16()
+    leaves = [x, gate, weight]
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+
+    out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: gated_rms_norm_reference(*ref_leaves, EPS), ref_leaves, (dy.float(),)
+    )
+
+    for actual, expected in zip([*out, *grads], [*ref_out, *ref_grads], strict=True):
+        assert actual.dtype == (torch.float32 if actual.shape == weight.shape else torch.bfloat16)
         _assert_close_to_max(actual, expected, BF16_TOL)

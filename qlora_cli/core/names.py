@@ -5,6 +5,8 @@ sources map each name to what it renders.
 """
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a Qwen3.5 linear-attention (Gated DeltaNet) layer, as transformers names them.
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 # Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads
 # `conversations` with from/value as well as `messages`.

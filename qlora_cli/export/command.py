@@ -269,7 +269,7 @@ def _write_gguf(
         tokenizer = ChatTokenizer.from_folder(scratch)
         vocabulary = read_vocabulary(Path(scratch), tokenizer, spec.vocab_size, _bos_token_id(base_folder))
     name = f"model-{gguf_type}.gguf"
-    names = [tensor for tensors in locate_tensors(base_folder, spec).values() for tensor in tensors]
+    names = locate_tensors(base_folder, spec).names
     model_name = config.base_model.rstrip("/").rsplit("/", 1)[-1] + "-qlora"
     tensors = merged_tensors(base_folder, spec, adapter, scaling, round_trip)
     write_gguf(folder / name, spec, names, tensors, vocabulary, gguf_type, model_name)

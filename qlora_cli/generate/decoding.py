@@ -1,15 +1,16 @@
 """The forward passes of generation: a prefill of the prompts, then one-token steps over a KV cache.
 
-Prefill packs every prompt of the batch into one row, each with positions from 0 and a document of
-its own, and runs the training layers on it (the same kernels, the same numbers), capturing each
-layer's post-RoPE keys and values into the cache. A decode step then feeds one token per row: the
-projections go through kernels.nf4_matvec, which at one row reads the 4-bit codes directly (a Triton
-kernel launch per weight, plus one adding split-K partial sums) and at several rows dequantizes each
-weight and takes cuBLAS (faster on an H200, see that module); LoRA is two skinny products, and
-attention reads the row's cached keys up to its own length. Rows keep their own lengths, so
-prompts of different lengths decode together without padding. On CUDA the step is captured once per
-batch size as a CUDA graph (fixed shapes, the cache preallocated, tokens and positions passed in
-tensors) and replayed; on the CPU it runs eagerly.
+Both run the model's own layers (qlora_cli/model/layers.py), each handed its share of the cache; the
+cache's mode picks the kernels. Prefill packs every prompt of the batch into one row, each with
+positions from 0 and a document of its own, and runs the training kernels on it (the same numbers);
+each layer's cache stores the post-RoPE keys and values. A decode step then feeds one token per row:
+the projections go through kernels.nf4_matvec, which at one row reads the 4-bit codes directly (a
+Triton kernel launch per weight, plus one adding split-K partial sums) and at several rows
+dequantizes each weight and takes cuBLAS (faster on an H200, see that module); LoRA is two skinny
+products, and attention reads the row's cached keys up to its own length. Rows keep their own
+lengths, so prompts of different lengths decode together without padding. On CUDA the step is
+captured once per batch size as a CUDA graph (fixed shapes, the cache preallocated, tokens and
+positions passed in tensors) and replayed; on the CPU it runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from qlora_cli.model.decoder import GROUPS, ProjectionGroup, QLoRAModel
+from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.layers import DecoderLayer
+from qlora_cli.model.lora import GROUPS, ProjectionGroup
 from qlora_kernels._dispatch import use_triton
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
 from qlora_kernels.nf4_matvec import nf4_matvec
-from qlora_kernels.rmsnorm import add_rms_norm
-from qlora_kernels.rope import apply_rope
 
 # The cache grows in steps of this many positions, so later calls of similar size reuse a captured graph.
 CAPACITY_STEP = 256
@@ -48,9 +49,39 @@ class KVCache:
         self.batch, self.capacity = batch, capacity
 
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k, v) -> None:
-        """k, v [tokens, kv_heads, head_dim] into (row, position) pairs, no host synchronisation."""
+        """k, v [..., kv_heads, head_dim] into (row, position) pairs, rows and positions shaped as k's
+        leading dims; no host synchronisation."""
         self.k[layer, rows, :, positions] = k
         self.v[layer, rows, :, positions] = v
+
+
+class PrefillCache:
+    """A layer's cache in the prefill: stores the packed prompts' keys and values at their (row,
+    position); attention runs over the prompts themselves, packed, as in training."""
+
+    decoding = False
+
+    def __init__(self, cache: KVCache, layer: int, rows: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.layer, self.rows, self.positions = cache, layer, rows, positions
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write(self.layer, self.rows, self.positions, k, v)
+        return k, v
+
+
+class DecodeCache:
+    """A layer's cache in a decode step: stores each row's new key and value at its position and
+    hands back all of the layer's cached keys and values, `visible` marking each row's so far."""
+
+    decoding = True
+
+    def __init__(self, cache: KVCache, layer: int, positions, visible, projections: DecodeProjections):
+        self.cache, self.layer, self.positions = cache, layer, positions
+        self.visible, self.projections = visible, projections
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.write(self.layer, self.cache.rows[:, None], self.positions, k, v)
+        return self.cache.k[self.layer], self.cache.v[self.layer]
 
 
 class DecodeProjection:
@@ -89,24 +120,37 @@ class DecodeProjection:
         self.lora_b = lora_b.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = nf4_matvec(x, self.weights, self.biases)
-        if self.lora_a is None:
-            return y
-        return torch.addmm(y, x @ self.lora_a.T, self.lora_b.T)
+        """x [rows, 1, in] -> [rows, 1, out]."""
+        rows = x.view(-1, x.shape[-1])
+        y = nf4_matvec(rows, self.weights, self.biases)
+        if self.lora_a is not None:
+            y = torch.addmm(y, rows @ self.lora_a.T, self.lora_b.T)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor):
-    """One query per row over its cached keys: q [B, Hq, D], keys/values [B, Hk, T, D], visible [B, T].
+class DecodeProjections:
+    """A layer's projections in a decode step (the methods of qlora_cli.model.layers.Projections):
+    each group a DecodeProjection, SwiGLU as torch's silu(gate) * up. LoRA dropout is off at
+    inference, so the token offset places no mask."""
 
-    Query head h reads kv head h // (Hq / Hk), as in training; scores and softmax in fp32.
-    """
-    batch, q_heads, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    scores = (grouped @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1).to(values.dtype) @ values
-    return out.reshape(batch, q_heads * head_dim)
+    def __init__(self, layer: DecoderLayer, dtype: torch.dtype):
+        self.groups = {group: DecodeProjection(layer.projections[group], dtype) for group in GROUPS}
+
+    def qkv(self, h):
+        return self.groups["qkv"](h)
+
+    def o(self, attn):
+        return self.groups["o"](attn)
+
+    def gate_up(self, h, token_offset):
+        return self.groups["gate_up"](h)
+
+    def swiglu(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def down(self, activation, token_offset):
+        return self.groups["down"](activation)
 
 
 class Decoder:
@@ -114,18 +158,14 @@ class Decoder:
 
     def __init__(self, model: QLoRAModel):
         self.model = model
-        self.spec = model.spec
         self.device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
-        self.projections = [
-            {group: DecodeProjection(layer.projections[group], dtype) for group in GROUPS}
-            for layer in model.layers
-        ]
+        self.projections = [DecodeProjections(layer, dtype) for layer in model.layers]
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run the prompts (one per cache row) through the training layers, packed into one row;
-        fills rows [0, len) of the cache and returns each prompt's next-token logits [B, vocab] (fp32)."""
+        """Run the prompts (one per cache row) through the layers, packed into one row; fills rows
+        [0, len) of the cache and returns each prompt's next-token logits [B, vocab] (fp32)."""
         device = self.device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         ids = torch.tensor([token for p in prompts for token in p], device=device)
@@ -133,47 +173,25 @@ class Decoder:
         starts = torch.cumsum(lengths, 0) - lengths
         positions = torch.arange(len(ids), device=device) - starts[rows]
         doc_ids = rows[None] if len(prompts) > 1 else None
-        layers = self.model.layers
-        for index, layer in enumerate(layers):
-            layer.kv_capture = self._capture(cache, index, rows, positions)
-        try:
-            hidden = self.model.hidden_states(ids[None], positions[None], doc_ids)[0]
-        finally:
-            for layer in layers:
-                layer.kv_capture = None
+        caches = [
+            PrefillCache(cache, index, rows[None], positions[None]) for index in range(cache.k.shape[0])
+        ]
+        hidden = self.model.hidden_states(ids[None], positions[None], doc_ids, caches)[0]
         last = hidden[starts + lengths - 1]
         return (last @ self.model.lm_head.to(last.dtype).T).float()
-
-    @staticmethod
-    def _capture(cache: KVCache, index: int, rows: torch.Tensor, positions: torch.Tensor):
-        def capture(k: torch.Tensor, v: torch.Tensor) -> None:
-            cache.write(index, rows, positions, k[0], v[0])
-
-        return capture
 
     @torch.inference_mode()
     def step(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B] at positions [B] (each row's length so far); returns next-token logits [B, vocab]
         (fp32). Only tensor ops with fixed shapes, so that a CUDA graph can capture it."""
-        spec, model = self.spec, self.model
-        eps = spec.rms_norm_eps
-        batch = tokens.shape[0]
         visible = cache.slots[None, :] <= positions[:, None]
-        x = F.embedding(tokens, model.embed_tokens)
-        residual = None
-        for index, (layer, projections) in enumerate(zip(model.layers, self.projections, strict=True)):
-            h, residual = add_rms_norm(x, residual, layer.input_layernorm, eps)
-            qkv = projections["qkv"](h).view(batch, 1, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
-            q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
-            q, k = apply_rope(q, k, positions[:, None], model.inv_freq, layer.q_norm, layer.k_norm, eps)
-            cache.write(index, cache.rows, positions, k[:, 0], v[:, 0])
-            attn = decode_attention(q[:, 0], cache.k[index], cache.v[index], visible)
-            x = projections["o"](attn)
-            h, residual = add_rms_norm(x, residual, layer.post_attention_layernorm, eps)
-            gate, up = projections["gate_up"](h).chunk(2, dim=-1)
-            x = projections["down"](F.silu(gate) * up)
-        h, _ = add_rms_norm(x, residual, model.norm, eps)
-        return (h @ model.lm_head.to(h.dtype).T).float()
+        positions = positions[:, None]
+        caches = [
+            DecodeCache(cache, index, positions, visible, projections)
+            for index, projections in enumerate(self.projections)
+        ]
+        h = self.model.hidden_states(tokens[:, None], positions, None, caches)[:, 0]
+        return (h @ self.model.lm_head.to(h.dtype).T).float()
 
 
 class GraphedStep:

@@ -12,7 +12,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.model.decoder import LoRAConfig
+from qlora_cli.model.lora import LoRAConfig
 from qlora_kernels import triton_setup_error
 
 

@@ -24,7 +24,7 @@ from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, re
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.run_tokenizer import run_tokenizer
-from qlora_cli.sources.weights import read_spec
+from qlora_cli.sources.weights import locate_tensors, read_spec
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
 
@@ -109,6 +109,8 @@ def build_run(
         )
     tokenizer = run_tokenizer(folder, config)
     notes = list(config.notes)
+    if (skipped := locate_tensors(folder, spec).note()) is not None:
+        notes.append(skipped)
     start_adapter = None
     if config.lora_model_dir is not None:
         saved, start_adapter = read_peft_adapter(resolve_model(config.lora_model_dir))

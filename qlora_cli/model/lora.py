@@ -1,0 +1,135 @@
+"""LoRA's shape and the projection groups: frozen NF4 (or plain) weights with trainable adapters.
+
+A group is the projections that share one input (q/k/v, gate/up, or a single one); it runs as one
+fused call of qlora_kernels.linear, LoRA included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_kernels.dropout import seeded_dropout
+from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
+from qlora_kernels.nf4 import NF4Weight
+
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+PROJECTION_GROUP = {name: group for group, names in GROUPS.items() for name in names}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    use_rslora: bool = False
+    train_norms: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+class ProjectionGroup(nn.Module):
+    """Projections that share one input (q/k/v, gate/up, or a single one), run as one fused call.
+
+    Frozen weights are NF4 (or plain tensors when quantization is off) and live outside the
+    parameter list; LoRA A/B are the trainable fp32 master weights, named as PEFT names them.
+    LoRA dropout's mask is hash(the model's dropout seed, `salt`, token) (kernels.dropout): each
+    group of each layer has its own salt, and a recompute repeats the mask without saving anything.
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        shapes: dict[str, tuple[int, int]],
+        lora: LoRAConfig | None,
+        salt: int = 0,
+    ):
+        super().__init__()
+        self.names = names
+        self.salt = salt
+        self.out_features = [shapes[n][0] for n in names]
+        self.weights: list[NF4Weight | torch.Tensor | None] = [None] * len(names)
+        self.biases: list[torch.Tensor | None] = [None] * len(names)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        self.scaling = lora.scaling if lora else 0.0
+        self.dropout = lora.dropout if lora else 0.0
+        for name in names:
+            if lora and name in lora.target_modules:
+                out_features, in_features = shapes[name]
+                self.lora_A[name] = nn.Parameter(torch.empty(lora.r, in_features))
+                self.lora_B[name] = nn.Parameter(torch.zeros(out_features, lora.r))
+        self.scratch: torch.Tensor | None = None
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """A as PEFT initialises it (kaiming-uniform with a=sqrt(5)), B zeros: the adapter starts as a no-op."""
+        for a in self.lora_A.values():
+            bound = 1.0 / math.sqrt(a.shape[1])
+            with torch.no_grad():
+                a.uniform_(-bound, bound, generator=generator)
+        for b in self.lora_B.values():
+            with torch.no_grad():
+                b.zero_()
+
+    def lora_a_list(self) -> list[torch.Tensor | None]:
+        return [self.lora_A.get(n) for n in self.names]
+
+    def scratch_numel(self) -> int:
+        return buffer_numel(self.weights, self.lora_a_list())
+
+    def set_weight(self, name: str, weight: NF4Weight | torch.Tensor) -> None:
+        self.weights[self.names.index(name)] = weight
+
+    def set_bias(self, name: str, bias: torch.Tensor) -> None:
+        self.biases[self.names.index(name)] = bias
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        need_output: bool = True,
+        *,
+        keep_lora_t: bool = False,
+        lora_t: torch.Tensor | None = None,
+        dropout_seed: torch.Tensor | None = None,
+        token_offset: int = 0,
+    ):
+        """The projections with LoRA. keep_lora_t: return (y without LoRA's B, t = lora_x @ A^T)
+        for the next op to finish; lora_t: start from that t instead of x @ A^T. With dropout,
+        `dropout_seed` draws the mask; x's first token is token `token_offset` of the micro-batch."""
+        lora_x = x
+        if self.dropout and self.training:
+            if dropout_seed is None:
+                raise ValueError("LoRA dropout needs the model's dropout seed")
+            lora_x = seeded_dropout(x, self.dropout, dropout_seed, self.salt, token_offset * x.shape[-1])
+        lora_b = [self.lora_B.get(n) for n in self.names]
+        if keep_lora_t:
+            return lora_linear_a(
+                x, self.weights, self.biases, self.lora_a_list(), lora_x, self.scratch, need_output
+            )
+        if lora_t is not None:
+            return lora_linear_b(
+                x, lora_t, self.weights, self.biases, lora_b, self.scaling, self.scratch, need_output
+            )
+        return lora_linear(
+            x,
+            self.weights,
+            self.biases,
+            self.lora_a_list(),
+            lora_b,
+            self.scaling,
+            lora_x=lora_x,
+            buffer=self.scratch,
+            need_output=need_output,
+        )
