@@ -1,14 +1,26 @@
-"""The decoder against transformers' own Qwen2 and Qwen3 on the same random checkpoints."""
+"""The decoder against transformers' own models of every family on the same random checkpoints: Qwen2,
+Qwen3, Qwen3.5 (text and vision-language layouts, tied and untied), Llama with llama3 RoPE scaling
+(tied and untied) and Mistral with a head_dim decoupled from hidden / heads."""
+
+import functools
 
 import pytest
 import torch
-from checkpoints import load_transformers, write_qwen2, write_qwen3
+from checkpoints import load_transformers, write_llama, write_mistral, write_qwen2, write_qwen3, write_qwen3_5
 
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.lora import ProjectionGroup
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
-WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
+WRITERS = {
+    "qwen2": write_qwen2,
+    "qwen3": write_qwen3,
+    "qwen3_5": write_qwen3_5,
+    "qwen3_5_vl_tied": functools.partial(write_qwen3_5, layout="vl", tie=True),
+    "llama": write_llama,
+    "llama_tied": functools.partial(write_llama, tie=True),
+    "mistral": write_mistral,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
