@@ -20,8 +20,8 @@ REFUSED = {
     "llama-3-qlora.yml": LLAMA3_PAD,
     "llama-3-lora-1b-kernels.yml": LLAMA3_PAD,
     "llama-3-lora-8b.yml": "config key 'lora_modules_to_save' is not supported",
-    # Qwen3.5's chat template uses tokens the vocabulary of Qwen2/Qwen3 models lacks.
-    "qwen3.5-27b-qlora.yaml": "config key 'chat_template': 'qwen3_5' is not available for Qwen models",
+    # Axolotl's qwen3_5 template is not one qlora ships (tokenizer_default is Qwen3.5's own).
+    "qwen3.5-27b-qlora.yaml": "config key 'chat_template': 'qwen3_5' is not a chat template qlora ships",
 }
 
 

@@ -94,7 +94,7 @@ def test_data_without_packing_reports_padding(tmp_path, run_cli, tokenizer_only_
     "dataset, keys, message",
     [
         ({"type": "oasst"}, {}, "type 'oasst' is not a dataset format qlora reads"),
-        ({}, {"chat_template": "llama3"}, "'llama3' is not available for Qwen models"),
+        ({}, {"chat_template": "llama3"}, "'llama3' writes '<\\|start_header_id\\|>', which the tokenizer of .* lacks"),
         ({}, {"chat_template": "jinja"}, "'jinja' needs the template in chat_template_jinja"),
         ({"split": "validation"}, {}, "is one file, which is the split 'train'; it has no split 'validation'"),
         ({"split": "train[:x%]"}, {}, "'x%' is not a row index or a percent"),

@@ -220,7 +220,8 @@ def looks_like_jinja(text: str) -> bool:
 
 
 def template_problem(name: str | None, jinja: str | None) -> str | None:
-    """Why `chat_template` / `chat_template_jinja` cannot be honoured, or None."""
+    """Why `chat_template` / `chat_template_jinja` cannot be honoured, or None. Whether the tokenizer can
+    write a shipped template's turns is for its vocabulary to say (sources.chat_templates)."""
     if name == "jinja" and not jinja:
         return "config key 'chat_template': 'jinja' needs the template in chat_template_jinja"
     if jinja is not None and name not in (None, "jinja"):
@@ -230,8 +231,8 @@ def template_problem(name: str | None, jinja: str | None) -> str | None:
     if name.startswith(FALLBACK_TEMPLATE) and name.removeprefix(FALLBACK_TEMPLATE) in SHIPPED_TEMPLATES:
         return None
     return (
-        f"config key 'chat_template': '{name}' is not available for Qwen models (its turns use tokens their "
-        f"vocabulary lacks); use one of {', '.join(CHAT_TEMPLATE_NAMES)}, or put a template in chat_template_jinja"
+        f"config key 'chat_template': '{name}' is not a chat template qlora ships; use one of "
+        f"{', '.join(CHAT_TEMPLATE_NAMES)}, or put a template in chat_template_jinja"
     )
 
 

@@ -44,6 +44,15 @@ COMMON_TYPES = "chat_template, sharegpt, alpaca, alpaca_chat, alpaca:chatml, com
 
 # The chat templates qlora ships (qlora_cli/sources/chat_templates.py holds their text), and every name
 # `chat_template` takes.
-SHIPPED_TEMPLATES = ("chatml", "qwen_25", "qwen3")
+SHIPPED_TEMPLATES = (
+    "chatml",
+    "qwen_25",
+    "qwen3",
+    "llama3",
+    "mistral_v1",
+    "mistral_v2v3",
+    "mistral_v3_tekken",
+    "mistral_v7_tekken",
+)
 CHAT_TEMPLATE_NAMES = ("tokenizer_default", *SHIPPED_TEMPLATES, "jinja")
 FALLBACK_TEMPLATE = "tokenizer_default_fallback_"

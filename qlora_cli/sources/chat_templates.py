@@ -1,11 +1,15 @@
-"""The chat template a config chooses: the tokenizer's own, one of the few qlora ships, or the user's jinja.
+"""The chat template a config chooses: the tokenizer's own, one of those qlora ships, or the user's jinja.
 
-The shipped templates write the ChatML turns every Qwen vocabulary has (<|im_start|>, <|im_end|>):
-`chatml` plain, `qwen_25` with Qwen2.5's default system message and tool turns, `qwen3` with Qwen3's
-think blocks. Axolotl's other names (llama3, mistral, gemma, ...) write tokens Qwen models lack.
+The shipped ones render what Axolotl's templates of the same name render. `chatml`, `qwen_25` (Qwen2.5's
+default system message and tool turns) and `qwen3` (think blocks) write ChatML turns; `llama3` writes
+Llama 3's header turns; the `mistral_*` ones write [INST] turns closed by the eos token. Each template
+says which tokens its turns need, so a template the vocabulary cannot write is refused by what the
+tokenizer holds, and which text ends an assistant turn (where generation stops).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from qlora_cli.config.checks import template_problem
 from qlora_cli.core.errors import QLoraError
@@ -75,7 +79,135 @@ QWEN3 = (
     "{%- endif %}{%- endif %}"
 )
 
-SHIPPED = dict(zip(SHIPPED_TEMPLATES, (CHATML, QWEN_25, QWEN3), strict=True))
+# Llama 3.0 Instruct's turns (Axolotl's `llama3`): BOS, then a header per message and content trimmed;
+# no default system message and no date, so a row renders the same on any day.
+LLAMA3 = (
+    "{%- for message in messages %}"
+    "{%- set content = message.content or '' %}"
+    "{%- if content is not string %}"
+    "{%- set content = content | selectattr('text', 'defined') | map(attribute='text') | join('') %}"
+    "{%- endif %}"
+    "{%- if loop.first %}{{- bos_token }}{%- endif %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def _mistral(user: str, assistant: str, system_on: str) -> str:
+    """Mistral's [INST] turns: roles alternate from a user turn, an assistant turn ends with eos, and the
+    system message joins the first user turn (`first`) or only a final user turn (`last`: a training row,
+    which ends with the assistant, renders without it, as Mistral's own v2/v3 templates do)."""
+    return (
+        "{%- if messages and messages[0].role == 'system' %}"
+        "{%- set system = messages[0].content %}{%- set turns = messages[1:] %}"
+        "{%- else %}{%- set system = '' %}{%- set turns = messages %}{%- endif %}"
+        "{{- bos_token }}"
+        "{%- for message in turns %}"
+        "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif %}"
+        "{%- set content = message.content or '' %}"
+        "{%- if message.role == 'user' %}"
+        f"{{%- if system and loop.{system_on} %}}{{%- set content = system + '\\n\\n' + content %}}{{%- endif %}}"
+        f"{{{{- {user} }}}}"
+        f"{{%- else %}}{{{{- {assistant} + eos_token }}}}"
+        "{%- endif %}"
+        "{%- endfor %}"
+    )
+
+
+MISTRAL_V1 = _mistral("' [INST] ' + content + ' [/INST]'", "' ' + content", "first")
+MISTRAL_V2V3 = _mistral("'[INST] ' + content + '[/INST]'", "' ' + content | trim", "last")
+MISTRAL_V3_TEKKEN = _mistral("'[INST]' + content + '[/INST]'", "content", "last")
+
+# Mistral Small 3's: a system prompt always, Mistral's default one (with today's date) when the chat has none.
+MISTRAL_V7_TEKKEN = (
+    "{%- set default_system = 'You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a "
+    "French startup headquartered in Paris.\\nYour knowledge base was last updated on 2023-10-01. The current "
+    "date is ' + strftime_now('%Y-%m-%d') + '.\\n\\nWhen you\\'re not sure about some information, you say "
+    "that you don\\'t have the information and don\\'t make up anything.\\nIf the user\\'s question is not "
+    "clear, ambiguous, or does not provide enough context for you to accurately answer the question, you do "
+    'not try to answer it right away and you rather ask the user to clarify their request (e.g. "What are '
+    'some good restaurants around me?" => "Where are you?" or "When is the next flight to Tokyo" => '
+    '"Where do you travel from?")\' %}'
+    "{{- bos_token }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set system = messages[0].content %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set system = default_system %}{%- set turns = messages %}{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in turns %}"
+    "{%- set content = message.content or '' %}"
+    "{%- if message.role == 'user' %}{{- '[INST]' + content + '[/INST]' }}"
+    "{%- elif message.role == 'system' %}{{- '[SYSTEM_PROMPT]' + content + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message.role == 'assistant' %}{{- content + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+@dataclass(frozen=True)
+class ShippedTemplate:
+    """A template qlora ships: its jinja, the tokens its turns write (the vocabulary must hold each as one
+    token), whether it starts with the BOS token, and the text that ends an assistant turn (None: the
+    tokenizer's eos token)."""
+
+    text: str
+    tokens: tuple[str, ...]
+    end_of_turn: str | None
+    needs_bos: bool = False
+
+
+_CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+_LLAMA3_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# Mistral v0.1/v0.2 spell [INST] with ordinary tokens; v0.3 and tekken hold it as one control token.
+_TEKKEN_TOKENS = ("[INST]", "[/INST]")
+
+SHIPPED = dict(
+    zip(
+        SHIPPED_TEMPLATES,
+        (
+            ShippedTemplate(CHATML, _CHATML_TOKENS, "<|im_end|>"),
+            ShippedTemplate(QWEN_25, _CHATML_TOKENS, "<|im_end|>"),
+            ShippedTemplate(QWEN3, _CHATML_TOKENS, "<|im_end|>"),
+            ShippedTemplate(LLAMA3, _LLAMA3_TOKENS, "<|eot_id|>", needs_bos=True),
+            ShippedTemplate(MISTRAL_V1, (), None, needs_bos=True),
+            ShippedTemplate(MISTRAL_V2V3, (), None, needs_bos=True),
+            ShippedTemplate(MISTRAL_V3_TEKKEN, _TEKKEN_TOKENS, None, needs_bos=True),
+            ShippedTemplate(
+                MISTRAL_V7_TEKKEN,
+                (*_TEKKEN_TOKENS, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
+                None,
+                needs_bos=True,
+            ),
+        ),
+        strict=True,
+    )
+)
+
+
+def _missing(template: ShippedTemplate, tokenizer: ChatTokenizer) -> str | None:
+    """What the tokenizer lacks to write the template's turns, or None."""
+    lacking = [token for token in template.tokens if tokenizer.token_to_id(token) is None]
+    if lacking:
+        return repr(lacking[0])
+    return "a BOS token" if template.needs_bos and tokenizer.bos_token is None else None
+
+
+def _shipped(tokenizer: ChatTokenizer, name: str, asked: str) -> ChatTokenizer:
+    """The shipped template `name` (the config asked for `asked`), if the tokenizer can write it."""
+    template = SHIPPED[name]
+    lacking = _missing(template, tokenizer)
+    if lacking is not None:
+        fitting = [other for other, t in SHIPPED.items() if _missing(t, tokenizer) is None]
+        raise QLoraError(
+            f"config key 'chat_template': '{asked}' writes {lacking}, which the tokenizer of {tokenizer.source} "
+            f"lacks; use one it can write ({', '.join(['tokenizer_default', *fitting])}), "
+            "or put a template in chat_template_jinja"
+        )
+    end_of_turn = template.end_of_turn or tokenizer.eos_token
+    return tokenizer.with_chat_template(template.text, f"chat_template {name}", end_of_turn=end_of_turn)
 
 
 def choose_template(tokenizer: ChatTokenizer, name: str | None, jinja: str | None) -> ChatTokenizer:
@@ -88,10 +220,9 @@ def choose_template(tokenizer: ChatTokenizer, name: str | None, jinja: str | Non
     if name is None or name == "tokenizer_default":
         return tokenizer
     if name in SHIPPED:
-        return tokenizer.with_chat_template(SHIPPED[name], f"chat_template {name}")
+        return _shipped(tokenizer, name, name)
     if name.startswith(FALLBACK_TEMPLATE):
         if tokenizer.chat_template is not None:
             return tokenizer
-        fallback = name.removeprefix(FALLBACK_TEMPLATE)
-        return tokenizer.with_chat_template(SHIPPED[fallback], f"chat_template {fallback}")
+        return _shipped(tokenizer, name.removeprefix(FALLBACK_TEMPLATE), name)
     return tokenizer.with_chat_template(name, "chat_template")

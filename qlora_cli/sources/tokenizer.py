@@ -8,6 +8,7 @@ with the few helpers chat templates expect, the way transformers renders them.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,11 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _strftime_now(format: str) -> str:
+    """Today's date for templates that print it (Llama 3.2's, Mistral Small's), as transformers gives it."""
+    return datetime.now().strftime(format)
+
+
 def _tojson(
     value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
 ):
@@ -46,6 +52,7 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env
 
 
@@ -88,6 +95,7 @@ class ChatTokenizer:
         pad_token: str | None = None,
         bos_token: str | None = None,
         template_source: str | None = None,
+        end_of_turn: str | None = None,
     ):
         self._tokenizer = tokenizer
         self._tokenizer.no_padding()
@@ -103,6 +111,9 @@ class ChatTokenizer:
         self.bos_token_id = None if bos_token is None else self._required_id(bos_token, "bos_token")
         self.special_tokens = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
         self.template_source = template_source or f"chat template of {source}"
+        # The text that closes an assistant turn, where the template declares one (the shipped ones do);
+        # None for the tokenizer's own template or the user's jinja, whose turns say it when rendered.
+        self.end_of_turn = end_of_turn
         self._template = None
         if chat_template is not None:
             try:
@@ -151,7 +162,9 @@ class ChatTokenizer:
             bos_token=_token_text(config.get("bos_token")),
         )
 
-    def with_chat_template(self, chat_template: str, source: str) -> ChatTokenizer:
+    def with_chat_template(
+        self, chat_template: str, source: str, *, end_of_turn: str | None = None
+    ) -> ChatTokenizer:
         """The same tokenizer rendering chats with another template; `source` names it in errors."""
         return ChatTokenizer(
             self._tokenizer,
@@ -161,6 +174,7 @@ class ChatTokenizer:
             pad_token=self.pad_token,
             bos_token=self.bos_token,
             template_source=source,
+            end_of_turn=end_of_turn,
         )
 
     def use_special_tokens(self, **tokens: str | None) -> None:
@@ -211,7 +225,7 @@ class ChatTokenizer:
         if self._template is None:
             raise QLoraError(
                 f"{self.source}: the tokenizer has no chat template; "
-                "choose one with chat_template: chatml (or qwen_25, qwen3)"
+                "choose one with chat_template: chatml, llama3, mistral_v3_tekken, ... (one its vocabulary can write)"
             )
         context = {
             "bos_token": self.bos_token or "",
