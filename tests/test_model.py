@@ -104,7 +104,14 @@ def test_lora_gradients_reach_every_target(checkpoint, reference_ops):
     loss_sum.backward()
     assert int(count) == ids.numel()
     params = model.trainable_parameters()
-    assert len(params) == model.spec.num_layers * (14 + 2 + (2 if model.spec.qk_norm else 0)) + 1
+    # Per layer: A and B of each projection it has, its two norms, and the q/k norms (attention) or
+    # the gated norm (Gated DeltaNet); then the final norm.
+    expected = 1
+    for kind in model.spec.layer_types:
+        linear = kind == "linear_attention"
+        projections = len(model.spec.projection_shapes(kind))
+        expected += 2 * projections + 2 + (1 if linear else 2 if model.spec.qk_norm else 0)
+    assert len(params) == expected
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
 
 
