@@ -30,7 +30,9 @@ LAYER_GROUPS = {
     },
 }
 GROUPS = LAYER_GROUPS[FULL_ATTENTION]
-PROJECTION_GROUP = {name: group for groups in LAYER_GROUPS.values() for group, names in groups.items() for name in names}
+PROJECTION_GROUP = {
+    name: group for groups in LAYER_GROUPS.values() for group, names in groups.items() for name in names
+}
 
 
 @dataclass(frozen=True)
