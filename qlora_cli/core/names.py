@@ -4,9 +4,12 @@ The rules that read them live with the config checks (qlora_cli/config/checks.py
 sources map each name to what it renders.
 """
 
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The projections of a Qwen3.5 linear-attention (Gated DeltaNet) layer, as transformers names them.
+# The projections LoRA can target, as transformers names them: an attention layer's and the MLP's (every
+# family), and those of a Qwen3.5 linear-attention (Gated DeltaNet) layer. A model's adapter holds the
+# targeted ones its layers have.
+STANDARD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ALL_PROJECTIONS = STANDARD_PROJECTIONS + LINEAR_ATTENTION_PROJECTIONS
 
 # Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads
 # `conversations` with from/value as well as `messages`.

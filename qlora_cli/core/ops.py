@@ -19,6 +19,12 @@ class Op(str, Enum):
     GATE_UP_GEMM = "gate_up_gemm"
     SILU = "silu"
     DOWN_GEMM = "down_gemm"
+    # Qwen3.5's layers: its Gated DeltaNet layers' projections take the qkv_gemm and o_proj rows
+    # (in_proj_qkv/z/b/a, out_proj); the conv, the delta rule and the gates have rows of their own
+    # (gates: the decay and beta of the delta rule, the attention output gate, the gated RMSNorm).
+    CONV1D = "conv1d"
+    DELTA_RULE = "delta_rule"
+    GATES = "gates"
     # The backward rows of the layer's ops.
     DOWN_BWD = "down_bwd"
     SWIGLU_BWD = "swiglu_bwd"
@@ -28,6 +34,9 @@ class Op(str, Enum):
     ROPE_BWD = "rope_bwd"
     QKV_BWD = "qkv_bwd"
     NORM_BWD = "norm_bwd"
+    CONV1D_BWD = "conv1d_bwd"
+    DELTA_RULE_BWD = "delta_rule_bwd"
+    GATES_BWD = "gates_bwd"
     # Outside the layers: ops the model times, regions the training step marks.
     EMBEDDING = "embedding"
     FINAL_NORM = "final_norm"
@@ -56,14 +65,20 @@ BACKWARD_ROW = {
     Op.GATE_UP_GEMM: Op.GATE_UP_BWD,
     Op.SILU: Op.SWIGLU_BWD,
     Op.DOWN_GEMM: Op.DOWN_BWD,
+    Op.CONV1D: Op.CONV1D_BWD,
+    Op.DELTA_RULE: Op.DELTA_RULE_BWD,
+    Op.GATES: Op.GATES_BWD,
     Op.FINAL_NORM: Op.FINAL_NORM,
     Op.LM_HEAD_LOSS: Op.LM_HEAD_LOSS,
 }
 LAYER_FORWARD = (
     Op.RMSNORM_ATTN,
     Op.QKV_GEMM,
+    Op.CONV1D,
     Op.ROPE,
     Op.ATTENTION,
+    Op.DELTA_RULE,
+    Op.GATES,
     Op.O_PROJ,
     Op.RMSNORM_FFN,
     Op.GATE_UP_GEMM,
@@ -75,11 +90,16 @@ LAYER_BACKWARD = (
     Op.SWIGLU_BWD,
     Op.GATE_UP_BWD,
     Op.O_PROJ_BWD,
+    Op.GATES_BWD,
+    Op.DELTA_RULE_BWD,
     Op.ATTN_BWD,
     Op.ROPE_BWD,
+    Op.CONV1D_BWD,
     Op.QKV_BWD,
     Op.NORM_BWD,
 )
+# Rows only Qwen3.5's layers fill: the table leaves them out of a run that never called them.
+HYBRID_ROWS = (Op.CONV1D, Op.DELTA_RULE, Op.GATES, Op.CONV1D_BWD, Op.DELTA_RULE_BWD, Op.GATES_BWD)
 OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
 LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)
 # Regions that only bracket other regions: their own time stays unattributed.

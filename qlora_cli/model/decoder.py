@@ -1,4 +1,4 @@
-"""The Qwen2 / Qwen2.5 / Qwen3 decoder with NF4 frozen projections and LoRA adapters.
+"""The decoder of every family qlora trains, with NF4 frozen projections and LoRA adapters.
 
 The model: embedding → the layers (qlora_cli/model/layers.py) → final RMSNorm → lm_head, with the
 checkpointing and host offload the planner chose, and the loading of a checkpoint's weights.
@@ -28,9 +28,19 @@ from qlora_kernels.rmsnorm import add_rms_norm
 
 
 def rope_inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
-    """RoPE frequencies computed exactly as transformers does, so positions rotate identically."""
-    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64, device=device).float() / spec.head_dim
-    return 1.0 / (spec.rope_theta**exponents)
+    """RoPE frequencies computed exactly as transformers does for the config's RoPE type
+    (qlora_cli/sources/rope.py), so positions rotate identically."""
+    return spec.rope_frequencies(device)[0]
+
+
+# A Gated DeltaNet layer's frozen tensors (below `linear_attn.`) -> the layer's attribute; the
+# conv's [C, 1, K] weight is kept as [C, K].
+LINEAR_ATTENTION_STATE = {
+    "conv1d": "conv_weight",
+    "A_log": "A_log",
+    "dt_bias": "dt_bias",
+    "norm": "linear_norm",
+}
 
 
 class QLoRAModel(nn.Module):
@@ -144,6 +154,10 @@ class QLoRAModel(nn.Module):
             elif parts[4] in ("q_norm", "k_norm"):
                 with torch.no_grad():
                     getattr(self.layers[int(parts[2])], parts[4]).copy_(tensor.float())
+            elif parts[4] in LINEAR_ATTENTION_STATE:
+                with torch.no_grad():
+                    target = getattr(self.layers[int(parts[2])], LINEAR_ATTENTION_STATE[parts[4]])
+                    target.copy_(tensor.float().reshape(target.shape))
             else:
                 group = self.layers[int(parts[2])].projections[PROJECTION_GROUP[parts[4]]]
                 if parts[-1] == "bias":
@@ -202,7 +216,15 @@ class QLoRAModel(nn.Module):
                 x, residual = layer(
                     x, residual, position_ids, doc_ids, self.inv_freq, self.dropout_seed, cache=cache
                 )
-        h, _ = timed(Op.FINAL_NORM, add_rms_norm, x, residual, self.norm, self.spec.rms_norm_eps)
+        h, _ = timed(
+            Op.FINAL_NORM,
+            add_rms_norm,
+            x,
+            residual,
+            self.norm,
+            self.spec.rms_norm_eps,
+            zero_centred=self.spec.zero_centred_norms,
+        )
         return h
 
     def _offloaded(self, index: int, stream, position_ids, doc_ids):

@@ -1,8 +1,15 @@
 """The decoder layer: its sequence of ops, written once for training, generation's prefill and its decode step.
 
-fused residual-add + RMSNorm → QKV projection (+bias, + LoRA) → QK-norm + RoPE → [cache update] →
-causal GQA attention → O projection → fused residual-add + RMSNorm → gate/up projection → SwiGLU →
-down projection. What differs by mode is which kernels run an op, never the order:
+fused residual-add + RMSNorm → the mixer → fused residual-add + RMSNorm → gate/up projection →
+SwiGLU → down projection. The mixer is attention or, in three of four Qwen3.5 layers, Gated DeltaNet:
+
+- attention: QKV projection (+bias, + LoRA) → QK-norm + RoPE → [cache update] → causal GQA attention
+  (→ Qwen3.5's output gate, attn · sigmoid(gate), the gate taken per head from q_proj) → O projection;
+- Gated DeltaNet: one grouped projection to qkv, z, b and a → causal depthwise conv1d + SiLU (reset at
+  document starts) → the chunked gated delta rule (L2-normalised q and k, decay g and β from a and b,
+  state reset at document starts) → gated RMSNorm with silu(z) → out_proj.
+
+What differs by mode is which kernels run an op, never the order:
 
 - training and the prefill run the layer's own projection groups through the fused NF4 + LoRA
   kernels (`FusedProjections`) and packed causal attention;
@@ -21,17 +28,24 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
-from qlora_cli.model.lora import GROUPS, LoRAConfig, ProjectionGroup
+from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig, ProjectionGroup
 from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
-from qlora_cli.sources.weights import ModelSpec
+from qlora_cli.sources.weights import LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.attention import attention
-from qlora_kernels.rmsnorm import add_rms_norm
+from qlora_kernels.conv1d import causal_conv1d, causal_conv1d_step
+from qlora_kernels.delta_rule import gated_delta_rule, gated_delta_rule_step
+from qlora_kernels.rmsnorm import add_rms_norm, gated_rms_norm
 from qlora_kernels.rope import apply_rope
+from qlora_kernels.sigmoid_gate import sigmoid_gate
 from qlora_kernels.swiglu import lora_swiglu
+
+# Each layer's projection groups take salts index * SALTS_PER_LAYER + i for LoRA dropout's masks.
+SALTS_PER_LAYER = 4
 
 
 class Projections(Protocol):
@@ -44,6 +58,10 @@ class Projections(Protocol):
 
     def o(self, attn: torch.Tensor) -> torch.Tensor: ...
 
+    def in_proj(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def out_proj(self, o: torch.Tensor) -> torch.Tensor: ...
+
     def gate_up(self, h: torch.Tensor, token_offset: int): ...
 
     def swiglu(self, gate_up): ...
@@ -54,17 +72,25 @@ class Projections(Protocol):
 class LayerCache(Protocol):
     """One layer's share of generation's cache (qlora_cli/generate/decoding.py), handed to its forward.
 
-    `update` stores the pass's post-RoPE keys and values and returns those to attend over. In a
-    prefill (`decoding` False) they are the packed prompts' own; in a decode step, every cached key
-    and value of each row, of which `visible` [rows, capacity] says which are the row's so far, and
-    `projections` are the decode kernels' copies of this layer's projections.
+    An attention layer's: `update` stores the pass's post-RoPE keys and values and returns those to
+    attend over. In a prefill (`decoding` False) they are the packed prompts' own; in a decode step,
+    every cached key and value of each row, of which `visible` [rows, capacity] says which are the
+    row's so far. `projections` are the decode kernels' copies of this layer's projections.
+
+    A Gated DeltaNet layer's keeps `conv_state` [rows, channels, K] (the last K inputs of the conv)
+    and `recurrent_state` [rows, Hv, Dk, Dv] (fp32); a decode step updates both in place, and a
+    prefill hands its conv inputs and final states to `keep_states`.
     """
 
     decoding: bool
     visible: torch.Tensor
     projections: Projections
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def keep_states(self, conv_input: torch.Tensor, recurrent_state: torch.Tensor) -> None: ...
 
 
 def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
@@ -117,6 +143,12 @@ class FusedProjections:
     def o(self, attn):
         return timed(Op.O_PROJ, self.groups["o"], attn, dropout_seed=self.dropout_seed)
 
+    def in_proj(self, h):
+        return timed(Op.QKV_GEMM, self.groups["in_proj"], h, dropout_seed=self.dropout_seed)
+
+    def out_proj(self, o):
+        return timed(Op.O_PROJ, self.groups["out_proj"], o, dropout_seed=self.dropout_seed)
+
     def gate_up(self, h, token_offset):
         group = self.groups["gate_up"]
         dropout = dict(dropout_seed=self.dropout_seed, token_offset=token_offset)
@@ -146,27 +178,43 @@ class FusedProjections:
         return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, **dropout)
 
 
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """The delta rule's log-decay g = -exp(A_log) * softplus(a + dt_bias), in fp32, and its write
+    strength beta = sigmoid(b) in b's dtype, as transformers' Qwen3_5GatedDeltaNet computes them."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str, index: int = 0):
         super().__init__()
         self.spec = spec
+        self.kind = spec.layer_types[index]
         self.attention_backend = attention_backend
-        shapes = spec.projection_shapes()
+        self.attention_scaling = spec.rope_frequencies()[1]
+        shapes = spec.projection_shapes(self.kind)
+        groups = LAYER_GROUPS[self.kind]
         self.projections = nn.ModuleDict(
             {
-                g: ProjectionGroup(names, shapes, lora, salt=index * len(GROUPS) + i)
-                for i, (g, names) in enumerate(GROUPS.items())
+                g: ProjectionGroup(names, shapes, lora, salt=index * SALTS_PER_LAYER + i)
+                for i, (g, names) in enumerate(groups.items())
             }
         )
         trainable = bool(lora and lora.train_norms)
         h = spec.hidden_size
         self.input_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
         self.post_attention_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
-        if spec.qk_norm:
+        self.q_norm = self.k_norm = None
+        if self.kind == LINEAR_ATTENTION:
+            linear = spec.linear_attention
+            # The frozen parts of a Gated DeltaNet mixer; the checkpoint fills them (fp32).
+            self.register_buffer("conv_weight", torch.zeros(linear.conv_dim, linear.conv_kernel))
+            self.register_buffer("A_log", torch.zeros(linear.num_value_heads))
+            self.register_buffer("dt_bias", torch.zeros(linear.num_value_heads))
+            self.linear_norm = nn.Parameter(torch.ones(linear.value_head_dim), requires_grad=trainable)
+        elif spec.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(spec.head_dim), requires_grad=trainable)
             self.k_norm = nn.Parameter(torch.ones(spec.head_dim), requires_grad=trainable)
-        else:
-            self.q_norm = self.k_norm = None
         self.recomputing = False
 
     def checkpoint_contexts(self):
@@ -194,16 +242,48 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None = None,
     ):
         """(x, residual) [batch, seq, hidden] in and out. `cache` is None in training; in generation
-        it keeps this layer's keys and values, and a decode step's cache brings the decode kernels."""
-        spec = self.spec
-        b, s, _ = x.shape
-        eps = spec.rms_norm_eps
+        it keeps this layer's keys and values (or conv and recurrent states), and a decode step's
+        cache brings the decode kernels."""
+        eps, zero_centred = self.spec.rms_norm_eps, self.spec.zero_centred_norms
         decoding = cache is not None and cache.decoding
         project = cache.projections if decoding else FusedProjections(self, dropout_seed)
-        h, residual = timed(Op.RMSNORM_ATTN, add_rms_norm, x, residual, self.input_layernorm, eps)
-        qkv = project.qkv(h).view(b, s, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
-        q, k, v = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=2)
-        q, k = timed(Op.ROPE, apply_rope, q, k, position_ids, inv_freq, self.q_norm, self.k_norm, eps)
+        norm = dict(zero_centred=zero_centred)
+        h, residual = timed(Op.RMSNORM_ATTN, add_rms_norm, x, residual, self.input_layernorm, eps, **norm)
+        if self.kind == LINEAR_ATTENTION:
+            x = self._gated_deltanet(h, doc_ids, project, cache)
+        else:
+            x = self._attention(h, position_ids, doc_ids, inv_freq, project, cache)
+        h, residual = timed(
+            Op.RMSNORM_FFN, add_rms_norm, x, residual, self.post_attention_layernorm, eps, **norm
+        )
+        return self._mlp(h, project), residual
+
+    def _attention(self, h, position_ids, doc_ids, inv_freq, project: Projections, cache):
+        spec = self.spec
+        b, s, _ = h.shape
+        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_heads = 2 * heads if spec.attention_output_gate else heads
+        qkv = project.qkv(h).view(b, s, q_heads + 2 * kv_heads, head_dim)
+        q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=2)
+        gate = None
+        if spec.attention_output_gate:
+            # q_proj holds query and gate interleaved per head: [h·2d, h·2d + d) is head h's query.
+            query_and_gate = q.view(b, s, heads, 2 * head_dim)
+            q, gate = query_and_gate[..., :head_dim], query_and_gate[..., head_dim:]
+        q, k = timed(
+            Op.ROPE,
+            apply_rope,
+            q,
+            k,
+            position_ids,
+            inv_freq,
+            self.q_norm,
+            self.k_norm,
+            spec.rms_norm_eps,
+            zero_centred_norm=spec.zero_centred_norms,
+            attention_scaling=self.attention_scaling,
+        )
+        decoding = cache is not None and cache.decoding
         if cache is not None:
             k, v = cache.update(k, v)
         if decoding:
@@ -211,9 +291,57 @@ class DecoderLayer(nn.Module):
         else:
             backend = choose_attention_backend(self.attention_backend, doc_ids)
             attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend)
-        x = project.o(attn.reshape(b, s, spec.q_size))
-        h, residual = timed(Op.RMSNORM_FFN, add_rms_norm, x, residual, self.post_attention_layernorm, eps)
-        return self._mlp(h, project), residual
+        if gate is not None:
+            attn = timed(Op.GATES, sigmoid_gate, attn.reshape(b, s, heads, head_dim), gate)
+        return project.o(attn.reshape(b, s, spec.q_size))
+
+    def _gated_deltanet(self, h, doc_ids, project: Projections, cache):
+        linear, eps = self.spec.linear_attention, self.spec.rms_norm_eps
+        b, s, _ = h.shape
+        k_heads, v_heads = linear.num_key_heads, linear.num_value_heads
+        k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
+        mixed = project.in_proj(h)
+        conv_input, z, beta_input, a = mixed.split(
+            [linear.conv_dim, linear.value_dim, v_heads, v_heads], dim=-1
+        )
+        decoding = cache is not None and cache.decoding
+        if decoding:
+            conv_output = timed(
+                Op.CONV1D, causal_conv1d_step, conv_input.reshape(b, -1), cache.conv_state, self.conv_weight
+            ).view(b, 1, -1)
+        else:
+            conv_output = timed(Op.CONV1D, causal_conv1d, conv_input, self.conv_weight, None, doc_ids)
+        q, k, v = conv_output.split([linear.key_dim, linear.key_dim, linear.value_dim], dim=-1)
+        q, k = q.reshape(b, s, k_heads, k_dim), k.reshape(b, s, k_heads, k_dim)
+        v = v.reshape(b, s, v_heads, v_dim)
+        g, beta = timed(Op.GATES, decay_and_beta, a, beta_input, self.A_log, self.dt_bias)
+        if decoding:
+            o = timed(
+                Op.DELTA_RULE,
+                gated_delta_rule_step,
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                g[:, 0],
+                beta[:, 0],
+                cache.recurrent_state,
+            ).unsqueeze(1)
+        else:
+            o, final_state = timed(
+                Op.DELTA_RULE,
+                gated_delta_rule,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                doc_ids,
+                output_final_state=cache is not None,
+            )
+            if cache is not None:
+                cache.keep_states(conv_input, final_state)
+        o = timed(Op.GATES, gated_rms_norm, o, z.reshape(b, s, v_heads, v_dim), self.linear_norm, eps)
+        return project.out_proj(o.reshape(b, s, linear.value_dim))
 
     def _mlp(self, h, project: Projections):
         """The MLP, over slices of tokens when the row is long (qlora_cli/model/sliced_mlp.py)."""

@@ -1,7 +1,7 @@
 """LoRA's shape and the projection groups: frozen NF4 (or plain) weights with trainable adapters.
 
-A group is the projections that share one input (q/k/v, gate/up, or a single one); it runs as one
-fused call of qlora_kernels.linear, LoRA included.
+A group is the projections that share one input (q/k/v, a Gated DeltaNet layer's four input
+projections, gate/up, or a single one); it runs as one fused call of qlora_kernels.linear, LoRA included.
 """
 
 from __future__ import annotations
@@ -13,17 +13,26 @@ import torch
 from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import NF4Weight
 
-GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
+_MLP_GROUPS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# The projection groups of each layer kind, in the order a layer runs them. A Gated DeltaNet layer's
+# four input projections share one input and run as one grouped NF4 call, as q/k/v do.
+LAYER_GROUPS = {
+    FULL_ATTENTION: {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), **_MLP_GROUPS},
+    LINEAR_ATTENTION: {
+        "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+        "out_proj": ("out_proj",),
+        **_MLP_GROUPS,
+    },
 }
-PROJECTION_GROUP = {name: group for group, names in GROUPS.items() for name in names}
+GROUPS = LAYER_GROUPS[FULL_ATTENTION]
+PROJECTION_GROUP = {
+    name: group for groups in LAYER_GROUPS.values() for group, names in groups.items() for name in names
+}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.ops import LAYER_BACKWARD, LAYER_FORWARD, LORA_ROWS, OUTSIDE_LAYERS, Op
+from qlora_cli.core.ops import HYBRID_ROWS, LAYER_BACKWARD, LAYER_FORWARD, LORA_ROWS, OUTSIDE_LAYERS, Op
 from qlora_cli.profiler.calibration import Calibration, calibrate
 from qlora_cli.profiler.lora import lora_share
 from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
@@ -125,6 +125,8 @@ def build_report(
     for section, ops in sections:
         for op in ops:
             stat = summed.get(op, RowStat())
+            if op in HYBRID_ROWS and not stat.calls:
+                continue
             ms = stat.ms / count
             row = Row(
                 op.value, section, ms, 100.0 * ms / step_ms, stat.calls / count, stat.recomputed / count

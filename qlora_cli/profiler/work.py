@@ -73,6 +73,30 @@ def swiglu_work(*, output, need_output, **_) -> Work:
     return Work(0.0, (3 if need_output else 2) * elements, 0.0, 5 * elements)
 
 
+def conv1d_work(*, x, output, **_) -> Work:
+    """The depthwise conv (K taps a channel): x in, y out; backward reads dy and x, writes dx."""
+    elements = x.numel() * x.element_size()
+    k = 4
+    return Work(2.0 * k * x.numel(), 2 * elements, 4.0 * k * x.numel(), 3 * elements)
+
+
+def delta_rule_work(*, q, v, output, **_) -> Work:
+    """The chunked delta rule per value head: within a chunk of C tokens the [C, C] products over Dk
+    and Dv, across chunks the [Dk, Dv] state read and written; backward about 2.5x (the lead's
+    estimate from the kernels' products, not a measurement)."""
+    b, t, heads, dv = v.shape
+    dk, chunk = q.shape[-1], 64
+    flops = 2.0 * b * t * heads * (chunk * (2 * dk + dv) + 3 * dk * dv)
+    moved = sum(x.numel() * x.element_size() for x in (q, v, output)) * 2
+    return Work(flops, moved, 2.5 * flops, 2.5 * moved)
+
+
+def gates_work(*, output, **_) -> Work:
+    """Elementwise gates: two inputs read and one output written; backward reads three, writes two."""
+    elements = output.numel() * output.element_size()
+    return Work(0.0, 3 * elements, 0.0, 5 * elements)
+
+
 def embedding_work(*, input, output, **_) -> Work:
     return Work(0.0, input.numel() * input.element_size() + 2 * output.numel() * output.element_size())
 
@@ -110,6 +134,9 @@ WORK_MODELS: dict[Op, Callable[..., Work]] = {
     Op.FINAL_NORM: norm_work,
     Op.ROPE: rope_work,
     Op.SILU: swiglu_work,
+    Op.CONV1D: conv1d_work,
+    Op.DELTA_RULE: delta_rule_work,
+    Op.GATES: gates_work,
     Op.EMBEDDING: embedding_work,
     Op.LM_HEAD_LOSS: loss_work,
 }

@@ -1,8 +1,10 @@
 """The adapter in PEFT's layout: tensor names, adapter_config.json, and loading it back.
 
-PEFT names a LoRA tensor after the module it wraps inside `PeftModel(Qwen*ForCausalLM)`, e.g.
-`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`; trained norms are saved the way
-PEFT saves `modules_to_save`, under the norm's own name.
+PEFT names a LoRA tensor after the module it wraps inside `PeftModel(<the base's class>)`, e.g.
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`, or `...layers.0.linear_attn.in_proj_qkv...`
+in a Qwen3.5 Gated DeltaNet layer; a vision-language checkpoint's decoder sits under
+`model.language_model.` (ModelSpec.decoder_prefix). Trained norms are saved the way PEFT saves
+`modules_to_save`, under the norm's own name.
 """
 
 from __future__ import annotations
@@ -17,20 +19,23 @@ from safetensors.torch import load_file
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.core.names import ALL_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS
 
 PREFIX = "base_model.model."
 
 
 def _module_path(proj: str) -> str:
+    if proj in LINEAR_ATTENTION_PROJECTIONS:
+        return "linear_attn." + proj
     return ("self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + proj
 
 
 def trainable_tensors(model) -> dict[str, torch.Tensor]:
     """Every trainable tensor of the model under its PEFT name (live parameters, not copies)."""
     named: dict[str, torch.Tensor] = {}
+    decoder = PREFIX + model.spec.decoder_prefix
     for index, layer in enumerate(model.layers):
-        base = f"{PREFIX}model.layers.{index}."
+        base = f"{decoder}layers.{index}."
         for group in layer.projections.values():
             for proj, a in group.lora_A.items():
                 named[f"{base}{_module_path(proj)}.lora_A.weight"] = a
@@ -41,8 +46,10 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
             if layer.q_norm is not None:
                 named[f"{base}self_attn.q_norm.weight"] = layer.q_norm
                 named[f"{base}self_attn.k_norm.weight"] = layer.k_norm
+            if hasattr(layer, "linear_norm"):
+                named[f"{base}linear_attn.norm.weight"] = layer.linear_norm
     if model.lora is not None and model.lora.train_norms:
-        named[f"{PREFIX}model.norm.weight"] = model.norm
+        named[f"{decoder}norm.weight"] = model.norm
     return named
 
 
@@ -62,6 +69,11 @@ def norm_module_names(model) -> list[str]:
     return names
 
 
+def adapted_projections(model) -> set[str]:
+    """The projections that carry LoRA in this model: the targeted ones its layers have."""
+    return {proj for layer in model.layers for group in layer.projections.values() for proj in group.lora_A}
+
+
 def adapter_config(model, config: TrainConfig) -> dict:
     lora = model.lora
     return {
@@ -73,7 +85,7 @@ def adapter_config(model, config: TrainConfig) -> dict:
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "use_rslora": lora.use_rslora,
-        "target_modules": sorted(lora.target_modules),
+        "target_modules": sorted(adapted_projections(model)),
         "modules_to_save": norm_module_names(model) or None,
         "bias": "none",
         "fan_in_fan_out": False,
