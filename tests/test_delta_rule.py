@@ -288,19 +288,22 @@ def test_gpu_cuda_graph_replay_equals_eager():
     doc_ids = _doc_ids(GPU_PACKED).cuda()
     do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
 
-    def step():
-        o, final = _run(gated_delta_rule, leaves, doc_ids, True)
-        return (o, final, *torch.autograd.grad((o, final), leaves, (do, torch.ones_like(final))))
+    def step(inputs):
+        o, final = _run(gated_delta_rule, inputs, doc_ids, True)
+        return (o, final, *torch.autograd.grad((o, final), inputs, (do, torch.ones_like(final))))
 
-    expected = step()
+    # The eager run takes copies: a leaf that autograd first met on the default (legacy) stream would
+    # make the captured backward wait on that stream, which capture forbids (CUDA's
+    # cudaErrorStreamCaptureImplicit on the H200); the graph's leaves first meet autograd in warm-up.
+    expected = step([t.detach().clone().requires_grad_(t.requires_grad) for t in leaves])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()
+        step(leaves)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(leaves)
     graph.replay()
     torch.cuda.synchronize()
     for actual, want in zip(captured, expected, strict=True):
