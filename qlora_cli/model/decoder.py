@@ -63,6 +63,19 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
+    def lora_weights_per_layer(self, spec: ModelSpec) -> int:
+        """LoRA A [r, in] and B [out, r] of each targeted projection of one layer."""
+        shapes = spec.projection_shapes()
+        return sum(self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.target_modules)
+
+    def trained_weights(self, spec: ModelSpec) -> int:
+        """Every weight the adapter trains: what the optimizer holds state for and a checkpoint saves.
+
+        The memory planner and the output_dir's free-space check both count from here."""
+        norms_per_layer = 2 * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
+        per_layer = self.lora_weights_per_layer(spec) + (norms_per_layer if self.train_norms else 0)
+        return per_layer * spec.num_layers + (spec.hidden_size if self.train_norms else 0)
+
 
 class ProjectionGroup(nn.Module):
     """Projections that share one input (q/k/v, gate/up, or a single one), run as one fused call.
