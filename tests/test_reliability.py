@@ -27,9 +27,10 @@ from qlora_cli.rundir.checkpoint import (
     list_checkpoints,
     read_checkpoint_config,
     read_trainer_state,
+    run_checkpoints,
     save_checkpoint,
 )
-from qlora_cli.rundir.folder import latest_checkpoint, run_lock, space_needed
+from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owner_run, run_lock, space_needed
 from qlora_cli.rundir.names import RUN_FILE
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
@@ -119,6 +120,18 @@ def test_rotation_resume_and_export_never_take_another_runs_checkpoints(tmp_path
     assert latest_checkpoint(out) == out / "checkpoint-6"
     (out / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
     assert latest_checkpoint(out) == out / "checkpoint-12"
+
+
+def test_a_checkpoint_whose_state_cannot_be_read_belongs_to_no_run(tmp_path):
+    """Ownership, rotation and the foreign-checkpoint check all skip it: nothing says whose it is."""
+    config, model, optimizer = _tiny_model(tmp_path)
+    out = tmp_path / "out"
+    for step in (2, 4):
+        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "mine"}, config)
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{not json")
+    assert owner_run(out) == "mine"
+    assert run_checkpoints(out, "mine") == [(2, out / "checkpoint-2")]
+    assert foreign_checkpoints(out, "mine") == []
 
 
 def test_a_second_process_cannot_train_into_a_folder_in_use(tmp_path):
