@@ -4,9 +4,15 @@ import os
 
 from checkpoints import QWEN25_7B
 
-from qlora_cli.model.planner import kept_activation_bytes, layers_to_checkpoint
+from qlora_cli.model.decoder import LoRAConfig
+from qlora_cli.model.planner import RunShape, kept_activation_bytes, layers_to_checkpoint
 
 TOKENS = 4 * 2048
+SHAPE = RunShape(TOKENS, LoRAConfig(r=16))
+
+
+def budget(gb):
+    return RunShape(TOKENS, LoRAConfig(r=16), gb)
 
 
 def test_a_kept_layer_costs_about_a_gibibyte_without_dropout():
@@ -19,16 +25,18 @@ def test_a_kept_layer_costs_about_a_gibibyte_without_dropout():
 
 
 def test_budget_decides_how_many_layers_recompute():
-    def recomputed(budget, dropout=0.0):
-        return layers_to_checkpoint("auto", QWEN25_7B, TOKENS, budget, 16, dropout)
+    def recomputed(gb, dropout=0.0):
+        return layers_to_checkpoint(
+            "auto", QWEN25_7B, RunShape(TOKENS, LoRAConfig(r=16, dropout=dropout), gb)
+        )
 
     assert recomputed(8) == 28
     assert recomputed(60) == 0
     middle = recomputed(25)
     assert 0 < middle < 28
     assert recomputed(25, dropout=0.05) > middle
-    assert layers_to_checkpoint(True, QWEN25_7B, TOKENS, None, 16) == 28
-    assert layers_to_checkpoint(False, QWEN25_7B, TOKENS, 1, 16) == 0
+    assert layers_to_checkpoint(True, QWEN25_7B, SHAPE) == 28
+    assert layers_to_checkpoint(False, QWEN25_7B, budget(1)) == 0
 
 
 MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks/RESULTS.md)
@@ -47,36 +55,72 @@ def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
 
     for name, tokens, measured in MEASURED_PEAKS_GIB:
         spec = spec_from_config(qwen25_config(name))
-        estimate = estimated_peak_bytes(spec, tokens, 16, spec.num_layers, offload=True) / 2**30
+        shape = RunShape(tokens, LoRAConfig(r=16))
+        estimate = estimated_peak_bytes(spec, shape, spec.num_layers, offload=True) / 2**30
         assert abs(estimate / measured - 1) < 0.10, (name, tokens, estimate, measured)
 
 
 def test_offloading_frees_each_recomputed_layers_input():
     from qlora_cli.model.planner import estimated_peak_bytes
 
-    kept_inputs = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28)
-    offloaded = estimated_peak_bytes(QWEN25_7B, TOKENS, 16, 28, offload=True)
+    kept_inputs = estimated_peak_bytes(QWEN25_7B, SHAPE, 28)
+    offloaded = estimated_peak_bytes(QWEN25_7B, SHAPE, 28, offload=True)
     layer_input = TOKENS * QWEN25_7B.hidden_size * 2
     assert kept_inputs - offloaded == 28 * layer_input - 2 * layer_input
 
 
+def test_the_lora_size_counts_only_the_targeted_projections_and_the_trained_norms():
+    """The formula the planner and the free-space check share, against a model's own parameters."""
+    import dataclasses
+
+    from qlora_cli.model.decoder import QLoRAModel
+
+    for qk_norm in (False, True):
+        small = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+        spec = dataclasses.replace(QWEN25_7B, **small, head_dim=24, qk_norm=qk_norm)
+        for lora in (
+            LoRAConfig(r=4),
+            LoRAConfig(r=4, target_modules=("q_proj", "v_proj")),
+            LoRAConfig(r=8, target_modules=("v_proj", "down_proj"), train_norms=True),
+        ):
+            parameters = QLoRAModel(spec, lora).trainable_parameters()
+            assert lora.trained_weights(spec) == sum(p.numel() for p in parameters), (qk_norm, lora)
+
+
+def test_the_planner_counts_the_adapters_targets():
+    """A [q_proj, v_proj] run holds fp32 weights, gradients and two moments (16 bytes) of its own LoRA
+    weights only, and its kept layers bf16 copies (2 bytes) of theirs: an all-seven run's estimate is
+    larger by exactly the difference in the formula's counts."""
+    from qlora_cli.model.planner import estimated_peak_bytes
+
+    all_seven, q_and_v = LoRAConfig(r=16), LoRAConfig(r=16, target_modules=("q_proj", "v_proj"))
+    trained = all_seven.trained_weights(QWEN25_7B) - q_and_v.trained_weights(QWEN25_7B)
+    per_layer = all_seven.lora_weights_per_layer(QWEN25_7B) - q_and_v.lora_weights_per_layer(QWEN25_7B)
+    assert trained == per_layer * QWEN25_7B.num_layers > 0
+    for recomputed in (0, 10, 28):
+        gap = estimated_peak_bytes(QWEN25_7B, SHAPE, recomputed) - estimated_peak_bytes(
+            QWEN25_7B, RunShape(TOKENS, q_and_v), recomputed
+        )
+        assert gap == 16 * trained + (28 - recomputed) * 2 * per_layer, recomputed
+
+
 def test_a_budget_keeps_more_layers_when_recomputed_ones_are_offloaded():
-    plain = layers_to_checkpoint("auto", QWEN25_7B, TOKENS, 14, 16)
-    offloaded = layers_to_checkpoint("auto", QWEN25_7B, TOKENS, 14, 16, offload=True)
+    plain = layers_to_checkpoint("auto", QWEN25_7B, budget(14))
+    offloaded = layers_to_checkpoint("auto", QWEN25_7B, budget(14), offload=True)
     assert 0 < offloaded < plain < 28
 
 
 def test_auto_offloads_on_a_gpu_when_layers_recompute():
     from qlora_cli.model.planner import offloads_activations
 
-    def offloads(setting, checkpointing, device, budget=None):
-        return offloads_activations(setting, checkpointing, QWEN25_7B, TOKENS, budget, 16, device)
+    def offloads(setting, checkpointing, device, gb=None):
+        return offloads_activations(setting, checkpointing, QWEN25_7B, budget(gb), device)
 
     assert offloads("auto", True, "cuda")
     assert not offloads("auto", True, "cpu")
     assert not offloads("auto", False, "cuda")
-    assert not offloads("auto", "auto", "cuda", budget=60)  # every layer kept: nothing to offload
-    assert offloads("auto", "auto", "cuda", budget=12)
+    assert not offloads("auto", "auto", "cuda", gb=60)  # every layer kept: nothing to offload
+    assert offloads("auto", "auto", "cuda", gb=12)
     assert offloads(True, True, "cpu") and not offloads(False, True, "cuda")
 
 

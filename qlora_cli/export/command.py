@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
@@ -35,14 +33,14 @@ from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
-ADAPTER_FILE = "adapter_model.safetensors"
 BASES = ("original", "nf4")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"
@@ -79,7 +77,7 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
-    if (path / "trainer_state.json").is_file():
+    if (path / STATE_FILE).is_file():
         return path
     found = (
         usable_checkpoint(path, "export it with `qlora export {checkpoint} --out …`")
@@ -88,13 +86,13 @@ def find_checkpoint(path: Path) -> Path:
     )
     if found is None:
         raise QLoraError(
-            f"{path} holds no complete checkpoint (a checkpoint-<step> folder with trainer_state.json)"
+            f"{path} holds no complete checkpoint (a checkpoint-<step> folder with {STATE_FILE})"
         )
     return found
 
 
 def training_dtype(state: dict) -> torch.dtype:
-    """The compute dtype the run trained in, as trainer_state.json records it.
+    """The compute dtype the run trained in, as the checkpoint's trainer state records it.
 
     `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
     gives that dtype back, so the weights the adapter learned against are
@@ -102,7 +100,7 @@ def training_dtype(state: dict) -> torch.dtype:
     """
     name = state.get("compute_dtype")
     if name not in DTYPES:
-        raise QLoraError("trainer_state.json does not record the run's compute dtype; --base nf4 needs it")
+        raise QLoraError(f"{STATE_FILE} does not record the run's compute dtype; --base nf4 needs it")
     return DTYPES[name]
 
 
@@ -135,17 +133,23 @@ def merge_tensor(
     return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
 
 
-def merged_tensors(
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class Merge:
+    """What a merged export merges: the base's folder and shape, the adapter and its scaling, and the
+    dtype of the NF4 round trip the base weights take first (None: the original weights)."""
+
+    base_folder: Path
+    spec: ModelSpec
+    adapter: dict[str, torch.Tensor]
+    scaling: float
+    round_trip: torch.dtype | None
+
+
+def merged_tensors(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's tensors merged one at a time as they stream past; a tied lm_head is not among them
     (stream_tensors yields only the tensors the spec names), as transformers and llama.cpp expect."""
-    for name, tensor in stream_tensors(base_folder, spec):
-        yield name, merge_tensor(name, tensor, adapter, scaling, round_trip)
+    for name, tensor in stream_tensors(merge.base_folder, merge.spec):
+        yield name, merge_tensor(name, tensor, merge.adapter, merge.scaling, merge.round_trip)
 
 
 class ShardWriter:
@@ -195,14 +199,8 @@ class ShardWriter:
 
 def _read_adapter(checkpoint: Path, skeleton: QLoRAModel, base_folder: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's adapter tensors, checked against the base: every one present, of the right shape."""
-    path = checkpoint / ADAPTER_FILE
-    try:
-        tensors = load_file(str(path))
-    except FileNotFoundError:
-        raise QLoraError(f"checkpoint {checkpoint} is incomplete: {ADAPTER_FILE} is missing") from None
-    except (SafetensorError, OSError) as err:
-        raise QLoraError(f"{path} is corrupt: {err}") from None
-    source = f"{path} against base {base_folder}"
+    tensors = read_checkpoint_adapter(checkpoint)
+    source = f"{checkpoint / ADAPTER_WEIGHTS} against base {base_folder}"
     load_adapter_state(skeleton, tensors, source)
     adapter = adapter_state_dict(skeleton)
     extra = sorted(set(tensors) - set(adapter))
@@ -223,21 +221,13 @@ def _base_config(folder: Path, dtype: str) -> dict:
     return config
 
 
-def _write_merged(
-    folder: Path,
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-    dtype: str,
-    max_bytes: int,
-) -> int:
+def _write_merged(folder: Path, merge: Merge, dtype: str, max_bytes: int) -> int:
     """Stream the base, merge each tensor as it passes, write shards."""
     writer = ShardWriter(folder, max_bytes)
-    for name, tensor in merged_tensors(base_folder, spec, adapter, scaling, round_trip):
+    for name, tensor in merged_tensors(merge):
         writer.add(name, tensor.to(DTYPES[dtype]))
     shards = writer.finish()
+    base_folder = merge.base_folder
     write_json(folder / "config.json", _base_config(base_folder, dtype))
     if (base_folder / "generation_config.json").is_file():
         shutil.copyfile(base_folder / "generation_config.json", folder / "generation_config.json")
@@ -249,21 +239,13 @@ def _bos_token_id(base_folder: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _write_gguf(
-    folder: Path,
-    config: TrainConfig,
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-    gguf_type: str,
-) -> str:
+def _write_gguf(folder: Path, config: TrainConfig, merge: Merge, gguf_type: str) -> str:
     """The merged weights as one GGUF file, with an Ollama Modelfile beside it; returns the file's name.
 
     The tokenizer files the other exports carry go to a scratch folder first, so that the GGUF holds the
     run's chat template and special tokens exactly as they would; they are not left in the export.
     """
+    base_folder, spec = merge.base_folder, merge.spec
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         write_tokenizer(config, base_folder, Path(scratch))
         tokenizer = ChatTokenizer.from_folder(scratch)
@@ -271,7 +253,7 @@ def _write_gguf(
     name = f"model-{gguf_type}.gguf"
     names = locate_tensors(base_folder, spec).names
     model_name = config.base_model.rstrip("/").rsplit("/", 1)[-1] + "-qlora"
-    tensors = merged_tensors(base_folder, spec, adapter, scaling, round_trip)
+    tensors = merged_tensors(merge)
     write_gguf(folder / name, spec, names, tensors, vocabulary, gguf_type, model_name)
     (folder / "Modelfile").write_text(modelfile(name, tokenizer), encoding="utf-8")
     return name
@@ -448,21 +430,18 @@ def export(
         check_tokenizer(base_folder)
 
     round_trip = training_dtype(state) if base == "nf4" else None
+    merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip)
     temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     shards, gguf_file = 0, None
     try:
         temp.mkdir(parents=True)
         if gguf:
-            gguf_file = _write_gguf(
-                temp, config, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, gguf_type
-            )
+            gguf_file = _write_gguf(temp, config, merge, gguf_type)
         elif merged:
-            shards = _write_merged(
-                temp, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, dtype, max_bytes
-            )
+            shards = _write_merged(temp, merge, dtype, max_bytes)
         else:
-            save_tensors(adapter, temp / ADAPTER_FILE, metadata=SAFETENSORS_METADATA)
-            write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
+            save_tensors(adapter, temp / ADAPTER_WEIGHTS, metadata=SAFETENSORS_METADATA)
+            write_json(temp / ADAPTER_CONFIG, adapter_config(skeleton, config))
         if not gguf:
             write_tokenizer(config, base_folder, temp)
         card = model_card(

@@ -9,12 +9,25 @@ pinned host memory (qlora_cli/model/offload.py), copied while the GPU computes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from qlora_cli.model.decoder import LoRAConfig
 from qlora_cli.model.sliced_mlp import slice_tokens
 from qlora_cli.sources.weights import ModelSpec
 
 BF16 = 2
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
 HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the planner needs of a run besides the model: one micro-batch's tokens, the adapter's shape
+    (rank, targets, dropout, trained norms) and the memory budget (None: no budget)."""
+
+    tokens: int  # micro_batch_size × sequence_len
+    lora: LoRAConfig
+    budget_gb: float | None = None
 
 
 def frozen_weight_bytes(spec: ModelSpec) -> int:
@@ -24,13 +37,9 @@ def frozen_weight_bytes(spec: ModelSpec) -> int:
     return int(projections * (0.5 + 1 / 64)) + embeddings * BF16
 
 
-def lora_weights_per_layer(spec: ModelSpec, lora_r: int) -> int:
-    return sum(lora_r * (out + inp) for out, inp in spec.projection_shapes().values())
-
-
-def trainable_state_bytes(spec: ModelSpec, lora_r: int) -> int:
-    """fp32 LoRA weights, their gradients and two AdamW moments."""
-    return lora_weights_per_layer(spec, lora_r) * spec.num_layers * 4 * 4
+def trainable_state_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
+    """The trained weights in fp32, their gradients and two AdamW moments."""
+    return lora.trained_weights(spec) * 4 * 4
 
 
 def kept_activation_bytes(spec: ModelSpec, tokens: int, lora_dropout: float = 0.0) -> int:
@@ -65,10 +74,11 @@ def recomputed_layer_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     return 0 if offload else checkpointed_activation_bytes(spec, tokens)
 
 
-def kept_layer_bytes(spec: ModelSpec, tokens: int, lora_r: int, lora_dropout: float = 0.0) -> int:
+def kept_layer_bytes(spec: ModelSpec, shape: RunShape) -> int:
     """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
     backward (kernels.linear, kernels.swiglu)."""
-    return kept_activation_bytes(spec, tokens, lora_dropout) + lora_weights_per_layer(spec, lora_r) * BF16
+    activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout)
+    return activations + shape.lora.lora_weights_per_layer(spec) * BF16
 
 
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
@@ -86,49 +96,31 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     return int((tokens * per_token + mlp + scratch) * BF16) + LOSS_WORKING
 
 
-def fixed_bytes(spec: ModelSpec, lora_r: int) -> int:
-    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r)
+def fixed_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
+    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora)
 
 
-def estimated_peak_bytes(
-    spec: ModelSpec,
-    tokens: int,
-    lora_r: int,
-    recomputed: int,
-    *,
-    offload: bool = False,
-    lora_dropout: float = 0.0,
-) -> int:
+def estimated_peak_bytes(spec: ModelSpec, shape: RunShape, recomputed: int, *, offload: bool = False) -> int:
     """The planner's estimate of a step's peak GPU memory (allocated, not reserved)."""
     kept = spec.num_layers - recomputed
     return (
-        fixed_bytes(spec, lora_r)
-        + kept * kept_layer_bytes(spec, tokens, lora_r, lora_dropout)
-        + recomputed * recomputed_layer_bytes(spec, tokens, offload)
-        + working_bytes(spec, tokens, offload and recomputed > 0)
+        fixed_bytes(spec, shape.lora)
+        + kept * kept_layer_bytes(spec, shape)
+        + recomputed * recomputed_layer_bytes(spec, shape.tokens, offload)
+        + working_bytes(spec, shape.tokens, offload and recomputed > 0)
     )
 
 
 def layers_to_checkpoint(
-    setting: bool | str,
-    spec: ModelSpec,
-    tokens: int,
-    budget_gb: float | None,
-    lora_r: int,
-    lora_dropout: float = 0.0,
-    *,
-    offload: bool = False,
+    setting: bool | str, spec: ModelSpec, shape: RunShape, *, offload: bool = False
 ) -> int:
     """Layers (counted from the first) that recompute in backward."""
     if setting is True:
         return spec.num_layers
-    if setting is False or budget_gb is None:
+    if setting is False or shape.budget_gb is None:
         return 0
     for recomputed in range(spec.num_layers + 1):
-        peak = estimated_peak_bytes(
-            spec, tokens, lora_r, recomputed, offload=offload, lora_dropout=lora_dropout
-        )
-        if peak <= budget_gb * 2**30:
+        if estimated_peak_bytes(spec, shape, recomputed, offload=offload) <= shape.budget_gb * 2**30:
             return recomputed
     return spec.num_layers
 
@@ -146,14 +138,7 @@ def host_available_bytes() -> int | None:
 
 
 def offloads_activations(
-    setting: bool | str,
-    checkpointing: bool | str,
-    spec: ModelSpec,
-    tokens: int,
-    budget_gb: float | None,
-    lora_r: int,
-    device_type: str,
-    lora_dropout: float = 0.0,
+    setting: bool | str, checkpointing: bool | str, spec: ModelSpec, shape: RunShape, device_type: str
 ) -> bool:
     """`auto`: offload on a GPU whenever layers recompute, if the host has room to pin their inputs.
 
@@ -164,8 +149,8 @@ def offloads_activations(
         return bool(setting)
     if device_type != "cuda":
         return False
-    if layers_to_checkpoint(checkpointing, spec, tokens, budget_gb, lora_r, lora_dropout) == 0:
+    if layers_to_checkpoint(checkpointing, spec, shape) == 0:
         return False
     host = host_available_bytes()
-    pinned = spec.num_layers * checkpointed_activation_bytes(spec, tokens)
+    pinned = spec.num_layers * checkpointed_activation_bytes(spec, shape.tokens)
     return host is None or pinned <= HOST_SHARE * host

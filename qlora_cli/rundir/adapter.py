@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS
+from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 PREFIX = "base_model.model."
 
@@ -119,17 +120,17 @@ def read_peft_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """adapter_config.json and adapter_model.safetensors of a PEFT LoRA adapter folder."""
     folder = Path(folder)
     try:
-        saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     except FileNotFoundError as err:
         raise QLoraError(
             f"lora_model_dir {folder}: no {Path(err.filename).name} (a PEFT adapter folder has "
-            "adapter_config.json and adapter_model.safetensors)"
+            f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         ) from None
     except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise QLoraError(f"lora_model_dir {folder}: cannot read the adapter ({err})") from None
     if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
-        raise QLoraError(f"lora_model_dir {folder}: adapter_config.json is not a LoRA adapter's")
+        raise QLoraError(f"lora_model_dir {folder}: {ADAPTER_CONFIG} is not a LoRA adapter's")
     return saved, tensors
 
 
@@ -167,7 +168,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
             "train_norms": bool(saved.get("modules_to_save")),
         }
     except (KeyError, TypeError, ValueError) as err:
-        raise QLoraError(f"lora_model_dir {source}: adapter_config.json has no valid {err}") from None
+        raise QLoraError(f"lora_model_dir {source}: {ADAPTER_CONFIG} has no valid {err}") from None
     targets = _adapter_targets(saved, source)
     changed = [
         f"{key} {getattr(config, key)!r} -> {value!r}"

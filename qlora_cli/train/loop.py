@@ -26,7 +26,8 @@ from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, W
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
-from qlora_cli.rundir.folder import ADAPTER_FILES, latest_checkpoint, owned_output_dir, usable_checkpoint
+from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.train.run import Run, build_run
@@ -160,7 +161,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "trackers": trackers.state(),
         "run_id": run.run_id,
     }
-    folder = Path(run.config.output_dir) / f"checkpoint-{step}"
+    folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
         folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
         trackers.saved(folder, step)
@@ -253,7 +254,7 @@ def _train(
     if resume_from is not None:
         check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
-    with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
+    with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out)
         if dist.is_main:
             trackers.start(output_dir, start, tracker_state, warn=out.print)
@@ -329,7 +330,7 @@ def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
     """Rank 0 writes metrics.jsonl; a resumed run drops the lines past its checkpoint's step."""
     if not run.dist.is_main:
         return None
-    return MetricsLog(Path(run.config.output_dir) / "metrics.jsonl", resumed_at)
+    return MetricsLog(Path(run.config.output_dir) / METRICS_FILE, resumed_at)
 
 
 def _run_step(
