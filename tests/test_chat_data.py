@@ -116,6 +116,22 @@ def test_train_on_eos(tok, tmp_path, train_on_eos, pieces):
     assert_pieces(tok, example, pieces)
 
 
+@pytest.mark.parametrize("last_role", ["user", "tool"])
+def test_train_on_eos_last_trains_the_last_turns_end_even_when_it_is_not_trained(tok, tmp_path, last_role):
+    """As Axolotl's `last`: the end-of-turn token of the conversation's last turn, whatever its role; the
+    answer before it keeps its content but not its own end-of-turn token."""
+    messages = [*CONVERSATION[1:3], {"role": last_role, "content": "Thanks."}]
+    example = only(load(tok, tmp_path, [{"messages": messages}], train_on_eos="last"))
+    assert_pieces(
+        tok,
+        example,
+        [
+            (USER_1 + ASSISTANT, False), ("sun, cat", True),
+            (f"<|im_end|>\n<|im_start|>{last_role}\nThanks.", False), ("<|im_end|>", True), ("\n", False),
+        ],
+    )  # fmt: skip
+
+
 def test_train_on_inputs_trains_every_turns_content_but_no_header(tok, tmp_path):
     example = only(load(tok, tmp_path, [{"messages": CONVERSATION}], train_on_inputs=True))
     assert_pieces(

@@ -2,10 +2,16 @@
 
 import os
 
+import pytest
 from checkpoints import QWEN25_7B
 
 from qlora_cli.model.decoder import LoRAConfig
-from qlora_cli.model.planner import RunShape, kept_activation_bytes, layers_to_checkpoint
+from qlora_cli.model.planner import (
+    RunShape,
+    estimated_peak_bytes,
+    kept_activation_bytes,
+    layers_to_checkpoint,
+)
 
 TOKENS = 4 * 2048
 SHAPE = RunShape(TOKENS, LoRAConfig(r=16))
@@ -39,6 +45,26 @@ def test_budget_decides_how_many_layers_recompute():
     assert layers_to_checkpoint(False, QWEN25_7B, budget(1)) == 0
 
 
+@pytest.mark.parametrize(("offload", "dropout"), [(False, 0.0), (True, 0.0), (False, 0.05)])
+def test_a_budget_of_exactly_the_estimate_for_k_layers_recomputes_k(offload, dropout):
+    """The budget is in GiB (2**30 bytes; peak / 2**30 is exact in floats): the estimate for k layers
+    is enough for k, a byte less needs k + 1; with nothing fitting, every layer recomputes."""
+
+    lora = LoRAConfig(r=16, dropout=dropout)
+
+    def peak(k):
+        return estimated_peak_bytes(QWEN25_7B, RunShape(TOKENS, lora), k, offload=offload)
+
+    def recomputed(budget_bytes):
+        shape = RunShape(TOKENS, lora, budget_bytes / 2**30)
+        return layers_to_checkpoint("auto", QWEN25_7B, shape, offload=offload)
+
+    layers = QWEN25_7B.num_layers
+    for k in range(layers + 1):
+        assert recomputed(peak(k)) == k
+        assert recomputed(peak(k) - 1) == min(k + 1, layers)
+
+
 MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks/RESULTS.md)
     ("qwen2.5-7b", 4 * 2048, 8.20),
     ("qwen2.5-7b", 16384, 8.83),
@@ -50,7 +76,6 @@ MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks
 
 def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
     from benchmarks.shapes import qwen25_config
-    from qlora_cli.model.planner import estimated_peak_bytes
     from qlora_cli.sources.weights import spec_from_config
 
     for name, tokens, measured in MEASURED_PEAKS_GIB:
@@ -61,7 +86,6 @@ def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
 
 
 def test_offloading_frees_each_recomputed_layers_input():
-    from qlora_cli.model.planner import estimated_peak_bytes
 
     kept_inputs = estimated_peak_bytes(QWEN25_7B, SHAPE, 28)
     offloaded = estimated_peak_bytes(QWEN25_7B, SHAPE, 28, offload=True)

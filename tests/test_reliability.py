@@ -100,6 +100,25 @@ def test_overwrite_removes_the_old_runs_files_first(tmp_path, run_cli, how):
     assert code == 0 and json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
+def test_resume_of_a_run_started_with_overwrite_keeps_its_checkpoints(tmp_path, run_cli):
+    """overwrite_output_dir is saved in the run's config; resuming that run must not delete what it wrote."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2, overwrite_output_dir=True)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    assert read_checkpoint_config(out / "checkpoint-4").overwrite_output_dir is True
+    before = {p: p.read_bytes() for p in out.glob("checkpoint-*/*") if p.is_file()}
+    assert run_cli("resume", out, "--set", "max_steps=6")[0] == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert {p: p.read_bytes() for p in before} == before
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [
+        *range(1, 7)
+    ]
+
+
 def _tiny_model(tmp_path):
     config = load_config(write_run(tmp_path / "run"))
     model = QLoRAModel(read_spec(Path(config.base_model)), LoRAConfig(r=4, alpha=8))

@@ -1,6 +1,7 @@
 """Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -10,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import subprocess_env, write_run
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from qlora_cli.config.loading import load_config
+from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
 from qlora_cli.rundir.checkpoint import read_checkpoint_config
 from qlora_cli.rundir.folder import latest_checkpoint
@@ -183,14 +185,54 @@ def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
 
 
-def test_schedules():
-    config = load_config(
-        write_run(Path("/tmp") / "qlora-schedule-config"), ["warmup_steps=4", "max_steps=20"]
+# Learning rate 1e-3 over 10 optimizer steps (0-based): warmup step s of W runs at (s + 1) / (W + 1);
+# after it, progress p = (s - W) / (10 - W): linear 1 - p, cosine (1 + cos(pi p)) / 2, constant 1.
+COSINE = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "expected"),
+    [
+        ("linear", {"warmup_steps": 2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 5: 1 - 3 / 8, 9: 1 - 7 / 8}),
+        ("linear", {"warmup_ratio": 0.2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 5: 1 - 3 / 8, 9: 1 - 7 / 8}),
+        ("constant", {"warmup_steps": 2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 9: 1.0}),
+        ("constant", {}, {0: 1.0, 9: 1.0}),
+        ("cosine", {}, {0: 1.0, 5: 0.5, 9: COSINE(9 / 10)}),
+        # ceil(0.25 * 10) = 3 warmup steps
+        ("cosine", {"warmup_ratio": 0.25}, {0: 1 / 4, 2: 3 / 4, 3: 1.0, 6: COSINE(3 / 7), 9: COSINE(6 / 7)}),
+    ],
+)
+def test_schedules(schedule, warmup, expected):
+    config = config_from_dict(
+        {
+            "base_model": "Qwen/Qwen2.5-0.5B",
+            "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+            "learning_rate": 1e-3,
+            "lr_scheduler": schedule,
+            **warmup,
+        }
     )
-    lrs = [learning_rate(config, step, 20) for step in range(20)]
-    assert lrs[0] < lrs[3] < lrs[4] == config.learning_rate
-    assert lrs[-1] < 0.05 * config.learning_rate
-    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    got = {step: learning_rate(config, step, 10) for step in expected}
+    assert got == pytest.approx({step: 1e-3 * factor for step, factor in expected.items()}, rel=1e-12)
+
+
+def test_the_logged_lr_is_the_one_each_step_applied(tmp_path):
+    """Linear over 4 steps after 2 of warmup: 1/3, 2/3, 1, 1/2 of the rate, in the optimizer when it
+    steps, in metrics.jsonl and in the checkpoint of the last step."""
+    applied = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: applied.append(optimizer.param_groups[0]["lr"])
+    )
+    try:
+        result = _run(tmp_path, "run", lr_scheduler="linear", warmup_steps=2, max_steps=4, save_steps=4)
+    finally:
+        hook.remove()
+    expected = pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 0.5e-3], rel=1e-12)
+    assert applied == expected
+    records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == applied
+    state = json.loads((result.output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["lr"] == applied[-1]
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -111,8 +111,12 @@ class ModelSpec:
     layout: str = TEXT_LAYOUT
 
     def __post_init__(self):
-        if not self.layer_types:
+        # A spec of attention layers only may be copied with another num_layers (dataclasses.replace);
+        # its layer kinds follow. A hybrid's must be given whole.
+        if set(self.layer_types) <= {FULL_ATTENTION} and len(self.layer_types) != self.num_layers:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:
