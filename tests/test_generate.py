@@ -1,14 +1,18 @@
-"""qlora generate: our KV-cache decoding of the NF4 base + adapter equals transformers' greedy decoding of
-the merged (NF4 round trip) export, token for token; batching changes nothing; sampling repeats with its
-seed; bad input ends in one line."""
+"""qlora generate: our cached decoding of the NF4 base + adapter equals transformers' greedy decoding of
+the merged (NF4 round trip) export, token for token, for Qwen2, Qwen3 and Qwen3.5 (text and VL layouts,
+Gated DeltaNet states beside the KV cache); batching changes nothing; sampling repeats with its seed; bad
+input ends in one line."""
 
+import functools
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3
+from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3, write_qwen3_5
+from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
@@ -55,11 +59,27 @@ def train_demo(folder: Path) -> Path:
     return train(load_config(ROOT / "configs" / "demo.yaml", overrides)).output_dir
 
 
+WRITERS = {
+    "qwen3": write_qwen3,
+    "qwen2": write_qwen2,
+    "qwen3_5": write_qwen3_5,
+    "qwen3_5-vl": functools.partial(write_qwen3_5, layout="vl"),
+}
+# Families with attention only (the tests of options and errors run on these) and every family (the
+# tests of what the decoding computes).
+ATTENTION_ONLY = ["qwen3", "qwen2"]
+FAMILIES = [*ATTENTION_ONLY, "qwen3_5", "qwen3_5-vl"]
+# qlora's merged export of the VL layout names the text layout's tensors under the VL config, which
+# transformers does not read; that run keeps its base unquantized, and transformers runs the base.
+UNMERGED = {"qwen3_5-vl"}
+
+
 def random_run(folder: Path, kind: str = "qwen3") -> Path:
-    """A random tiny model with the demo tokenizer and a random NF4-trained adapter: every token varies,
+    """A random tiny model with the demo tokenizer and a random NF4-trained adapter (plain LoRA on the
+    UNMERGED ones): every token varies,
     so greedy decoding takes many different paths (a trained demo this short repeats itself)."""
-    writer = write_qwen3 if kind == "qwen3" else write_qwen2
-    base = add_demo_tokenizer(writer(folder / "model", vocab_size=1024, max_position_embeddings=512))
+    base = add_demo_tokenizer(WRITERS[kind](folder / "model", vocab_size=1024, max_position_embeddings=512))
+    slow_decay(base)
     raw = {
         "base_model": str(base),
         "datasets": [{"path": "data.jsonl", "type": "chat_template"}],
@@ -67,9 +87,10 @@ def random_run(folder: Path, kind: str = "qwen3") -> Path:
         "device": "cpu",
         "output_dir": str(folder / "out"),
         **({"lora_target_modules": ["q_proj", "v_proj", "down_proj"]} if kind == "qwen2" else {}),
+        **({"adapter": "lora", "load_in_4bit": False} if kind in UNMERGED else {}),
     }
     config = config_from_dict(raw)
-    model = QLoRAModel.from_pretrained(base, quantize=True, lora=lora_config(config))
+    model = QLoRAModel.from_pretrained(base, quantize=config.quantize, lora=lora_config(config))
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for param in model.trainable_parameters():
@@ -80,11 +101,40 @@ def random_run(folder: Path, kind: str = "qwen3") -> Path:
     return Path(config.output_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
-def run(request, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        return random_run(tmp_path_factory.mktemp(request.param), request.param)
+def slow_decay(base: Path) -> None:
+    """Gated DeltaNet layers that remember: random A_log ~ 0 halves the state every token, so prompts
+    ending in the same chat-template suffix would continue alike; A = exp(A_log) ~ 0.05 keeps ~97 %."""
+    tensors = load_file(base / "model.safetensors")
+    decays = [name for name in tensors if name.endswith("linear_attn.A_log")]
+    for name in decays:
+        tensors[name] = torch.full_like(tensors[name], math.log(0.05))
+    if decays:
+        save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """random_run of a family, made once per module."""
+    made = {}
+
+    def run_of(kind: str) -> Path:
+        if kind not in made:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("TRITON_INTERPRET", "0")
+                made[kind] = random_run(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+
+    return run_of
+
+
+@pytest.fixture(scope="module", params=ATTENTION_ONLY)
+def run(request, runs):
+    return runs(request.param)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_run(request, runs):
+    return runs(request.param)
 
 
 def transformers_greedy(merged: Path, raw: bool, stop_ids: set[int]) -> list[tuple[int, list[int]]]:
@@ -127,11 +177,18 @@ def ours(run_cli, source: Path, out: Path, *args) -> list[dict]:
     return rows
 
 
-def check_equal_to_transformers(source: Path, tmp_path: Path, run_cli, raw: bool) -> None:
-    merged = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
+def check_equal_to_transformers(
+    source: Path, tmp_path: Path, run_cli, raw: bool, merged: bool = True
+) -> None:
+    """Against the merged export or, with merged False, against the base alone (--base-only)."""
     loaded = load_source(source, device="cpu")
-    expected = transformers_greedy(merged, raw, loaded.stop_ids)
-    rows = ours(run_cli, source, tmp_path / "out.jsonl", *(["--raw"] if raw else []))
+    if merged:
+        reference = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
+    else:
+        reference = Path(loaded.config.base_model)
+    expected = transformers_greedy(reference, raw, loaded.stop_ids)
+    options = [*(["--raw"] if raw else []), *([] if merged else ["--base-only"])]
+    rows = ours(run_cli, source, tmp_path / "out.jsonl", *options)
     assert len({length for length, _ in expected}) == len(PROMPTS)
     for row, (prompt_tokens, ids), prompt in zip(rows, expected, PROMPTS, strict=True):
         assert row["prompt"] == prompt
@@ -147,15 +204,16 @@ def test_trained_demo_equals_transformers_on_the_merged_export(demo_run, tmp_pat
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_random_adapter_equals_transformers_on_the_merged_export(run, tmp_path, run_cli, raw):
-    check_equal_to_transformers(run, tmp_path, run_cli, raw)
+def test_random_adapter_equals_transformers_on_the_merged_export(family_run, request, tmp_path, run_cli, raw):
+    merged = request.node.callspec.params["family_run"] not in UNMERGED
+    check_equal_to_transformers(family_run, tmp_path, run_cli, raw, merged)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len({row["completion"] for row in rows}) == len(PROMPTS)
     assert all(len(set(row["completion"])) > 3 for row in rows)
 
 
-def test_batched_generation_equals_one_by_one(run):
-    loaded = load_source(run, device="cpu")
+def test_batched_generation_equals_one_by_one(family_run):
+    loaded = load_source(family_run, device="cpu")
     engine = DecodingEngine(loaded.model)
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
     sampling = Sampling(max_new_tokens=NEW_TOKENS)
@@ -396,8 +454,8 @@ def chat_session(run_cli, monkeypatch, source, lines: list[str], *args):
     return stdout, err
 
 
-def test_chat_streams_the_answers_generate_gives(run, tmp_path, run_cli, monkeypatch):
-    first = PROMPTS[1]
+def test_chat_streams_the_answers_generate_gives(family_run, tmp_path, run_cli, monkeypatch):
+    run, first = family_run, PROMPTS[1]
     stdout, err = chat_session(
         run_cli,
         monkeypatch,
@@ -469,8 +527,8 @@ def cuda_model(run: Path, dtype: torch.dtype) -> tuple[QLoRAModel, set[int], lis
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_decode_step_equals_the_eager_one(run, dtype):
-    model, _, prompts = cuda_model(run, dtype)
+def test_graphed_decode_step_equals_the_eager_one(family_run, dtype):
+    model, _, prompts = cuda_model(family_run, dtype)
     logits = {}
     for graphs in (False, True):
         engine = DecodingEngine(model, cuda_graphs=graphs)
@@ -508,11 +566,11 @@ def test_cuda_generation_agrees_with_the_cpu_reference(run):
     torch.cuda.is_available(), reason="Triton's interpreter runs where no GPU compiles the kernels"
 )
 @pytest.mark.parametrize("rows", [1, 2])
-def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch, rows):
+def test_decoding_on_the_triton_kernels_equals_the_reference(family_run, monkeypatch, rows):
     """The prefill and decode steps through the Triton kernels (in the interpreter) give the logits the
     torch references give: the shapes and strides decoding hands the kernels are ones they take. One
     row takes nf4_matvec's kernel on the NF4 codes, several rows its dequantize + matmul."""
-    loaded = load_source(run, device="cpu")
+    loaded = load_source(family_run, device="cpu")
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:rows]]
     calls = {"kernel": 0, "dequantize": 0}
 
@@ -538,11 +596,12 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(run, monkeypatch, r
         logits[interpret] = torch.stack(out)
         if interpret == "0":
             assert calls == {"kernel": 0, "dequantize": 0}
-    layers = loaded.model.spec.num_layers
+    groups = [group for layer in loaded.model.layers for group in layer.projections.values()]
+    weights = sum(len(group.weights) for group in groups)
     assert calls == (
-        {"kernel": 2 * 4 * layers, "dequantize": 0}
+        {"kernel": 2 * len(groups), "dequantize": 0}
         if rows == 1
-        else {"kernel": 0, "dequantize": 2 * 7 * layers}
+        else {"kernel": 0, "dequantize": 2 * weights}
     )
     assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
 

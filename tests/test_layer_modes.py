@@ -3,7 +3,7 @@ cache give the training forward's logits on the same tokens, position by positio
 
 import pytest
 import torch
-from checkpoints import write_qwen2, write_qwen3
+from checkpoints import write_qwen2, write_qwen3, write_qwen3_5
 
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -13,7 +13,9 @@ TOKENS = 12
 PROMPT_LENGTHS = (5, 2)  # rows of different lengths: each step reads each row's own cache
 
 
-@pytest.mark.parametrize("writer", [write_qwen3, write_qwen2], ids=["qwen3", "qwen2"])
+@pytest.mark.parametrize(
+    "writer", [write_qwen3, write_qwen2, write_qwen3_5], ids=["qwen3", "qwen2", "qwen3_5"]
+)
 def test_prefill_and_decode_steps_give_the_training_forwards_logits(tmp_path, writer):
     model = QLoRAModel.from_pretrained(writer(tmp_path / "model"), lora=LoRAConfig(r=4)).eval()
     generator = torch.Generator().manual_seed(5)
