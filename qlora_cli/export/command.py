@@ -38,13 +38,30 @@ from qlora_cli.rundir.folder import usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec, stream_tensors
+from qlora_cli.sources.weights import (
+    TEXT_LAYOUT,
+    VISION_LANGUAGE_LAYOUT,
+    ModelSpec,
+    canonical_name,
+    locate_tensors,
+    read_spec,
+    stream_checkpoint,
+    stream_tensors,
+)
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 BASES = ("original", "nf4")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"
 SAFETENSORS_METADATA = {"format": "pt"}
+# A vision-language base's image and video preprocessing, which its merged model needs beside it.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+# The class an adapter's names fit, by the base's layout: PEFT only warns on keys it cannot place, so
+# a vision-language base's adapter loaded onto the causal LM class would run without its LoRA.
+ADAPTER_BASE_CLASS = {
+    TEXT_LAYOUT: "AutoModelForCausalLM",
+    VISION_LANGUAGE_LAYOUT: "AutoModelForImageTextToText",
+}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -120,16 +137,17 @@ def merge_tensor(
 
     With `round_trip` every projection weight (adapted or not, all are NF4 in training) becomes its NF4
     round trip in that dtype; a projection with an adapter then becomes W + scaling · B @ A computed in
-    fp32; a trained norm becomes its trained value; anything else passes as it is. Adapter names are the
-    PEFT prefix followed by the Hugging Face names, so the base name finds them.
+    fp32 (a gated q_proj's B holds the gate rows, interleaved per head as the weight's are, so the
+    product lines up row for row); a trained norm becomes its trained value; anything else passes as it
+    is. `adapter` is keyed by the names the tensors stream under (`by_tensor_name`).
     """
     module = name.removesuffix(".weight")
     if round_trip is not None and module != name and module.rsplit(".", 1)[-1] in ALL_PROJECTIONS:
         tensor = nf4_round_trip(tensor, round_trip)
-    lora_a = adapter.get(f"{PREFIX}{module}.lora_A.weight")
+    lora_a = adapter.get(f"{module}.lora_A.weight")
     if lora_a is None:
-        return adapter.get(PREFIX + name, tensor)
-    lora_b = adapter[f"{PREFIX}{module}.lora_B.weight"]
+        return adapter.get(name, tensor)
+    lora_b = adapter[f"{module}.lora_B.weight"]
     return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
 
 
@@ -145,11 +163,31 @@ class Merge:
     round_trip: torch.dtype | None
 
 
+def by_tensor_name(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter keyed as the base's tensors stream (`model.layers.N....`): PEFT's prefix dropped and
+    a vision-language decoder's `model.language_model.` made `model.`."""
+    return {canonical_name(name.removeprefix(PREFIX)): tensor for name, tensor in adapter.items()}
+
+
 def merged_tensors(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base's tensors merged one at a time as they stream past; a tied lm_head is not among them
-    (stream_tensors yields only the tensors the spec names), as transformers and llama.cpp expect."""
+    """The decoder's tensors merged one at a time as they stream past, under the names stream_tensors
+    gives them; a tied lm_head is not among them (stream_tensors yields only the tensors the spec
+    names), as transformers and llama.cpp expect."""
+    named = by_tensor_name(merge.adapter)
     for name, tensor in stream_tensors(merge.base_folder, merge.spec):
-        yield name, merge_tensor(name, tensor, merge.adapter, merge.scaling, merge.round_trip)
+        yield name, merge_tensor(name, tensor, named, merge.scaling, merge.round_trip)
+
+
+def merged_checkpoint(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base checkpoint in its own layout and names, the decoder merged: a vision-language
+    checkpoint's vision tower and any MTP head pass through unchanged, so the result loads as the class
+    the base's config.json names."""
+    named = by_tensor_name(merge.adapter)
+    for stored, name, tensor in stream_checkpoint(merge.base_folder, merge.spec):
+        yield (
+            stored,
+            tensor if name is None else merge_tensor(name, tensor, named, merge.scaling, merge.round_trip),
+        )
 
 
 class ShardWriter:
@@ -224,13 +262,14 @@ def _base_config(folder: Path, dtype: str) -> dict:
 def _write_merged(folder: Path, merge: Merge, dtype: str, max_bytes: int) -> int:
     """Stream the base, merge each tensor as it passes, write shards."""
     writer = ShardWriter(folder, max_bytes)
-    for name, tensor in merged_tensors(merge):
+    for name, tensor in merged_checkpoint(merge):
         writer.add(name, tensor.to(DTYPES[dtype]))
     shards = writer.finish()
     base_folder = merge.base_folder
     write_json(folder / "config.json", _base_config(base_folder, dtype))
-    if (base_folder / "generation_config.json").is_file():
-        shutil.copyfile(base_folder / "generation_config.json", folder / "generation_config.json")
+    for name in ("generation_config.json", *PROCESSOR_FILES):
+        if (base_folder / name).is_file():
+            shutil.copyfile(base_folder / name, folder / name)
     return shards
 
 
@@ -281,6 +320,7 @@ def model_card(
     dtype: str | None,
     round_trip: torch.dtype | None,
     gguf_file: str | None = None,
+    layout: str = TEXT_LAYOUT,
 ) -> str:
     """A short README.md: what was trained, on what, for how long, and how it was exported."""
     revision = f" at revision `{config.revision}`" if config.revision else ""
@@ -322,7 +362,7 @@ def model_card(
             usage = f"llama-cli -m {gguf_file} -cnv"
     else:
         kind, library = "a LoRA adapter (PEFT format)", "peft"
-        usage = "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this_folder)"
+        usage = f"PeftModel.from_pretrained({ADAPTER_BASE_CLASS[layout]}.from_pretrained(base_model), this_folder)"
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     return (
         f"---\nlibrary_name: {library}\ntags: [qlora, lora]\n---\n\n"
@@ -451,6 +491,7 @@ def export(
             dtype=gguf_type if gguf else dtype,
             round_trip=round_trip,
             gguf_file=gguf_file,
+            layout=spec.layout,
         )
         (temp / "README.md").write_text(card, encoding="utf-8")
         if out.exists():
