@@ -1,9 +1,11 @@
-"""Layers to recompute from a memory budget, at Qwen2.5-7B's shape and 4 x 2048 tokens."""
+"""Layers to recompute from a memory budget, at Qwen2.5-7B's shape and 4 x 2048 tokens; what each layer
+kind of a hybrid model (Qwen3.5) holds."""
 
 import os
 
 import pytest
-from checkpoints import QWEN25_7B
+import torch
+from checkpoints import QWEN25_7B, write_qwen3_5
 
 from qlora_cli.model.decoder import LoRAConfig
 from qlora_cli.model.planner import (
@@ -164,3 +166,90 @@ def test_the_cli_asks_for_expandable_segments_unless_the_user_chose(monkeypatch)
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
         and "PYTORCH_ALLOC_CONF" not in os.environ
     )
+
+
+# A tiny Qwen3.5 whose two layer kinds keep clearly different amounts: the Gated DeltaNet layers have
+# 8 value heads of 32 (value_dim 256 against the attention's 64 per query).
+QWEN3_5_WIDE_VALUES = dict(linear_num_value_heads=8, linear_value_head_dim=32, full_attention_interval=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    from qlora_cli.model import LoRAConfig, QLoRAModel
+
+    folder = write_qwen3_5(tmp_path_factory.mktemp("qwen3_5"), num_hidden_layers=2, **QWEN3_5_WIDE_VALUES)
+    return QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4), dtype=torch.bfloat16).train()
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_frozen_and_trained_bytes_follow_each_layer_kind(tiny_qwen3_5):
+    """The planner's NF4 bytes and LoRA size come from each layer's own projections: counted against
+    the tensors of a tiny Qwen3.5 (one Gated DeltaNet layer, one attention layer) as loaded."""
+    from qlora_cli.model.planner import frozen_weight_bytes
+
+    model, spec = tiny_qwen3_5, tiny_qwen3_5.spec
+    assert spec.layer_types == ("linear_attention", "full_attention")
+    nf4 = [w for layer in model.layers for g in layer.projections.values() for w in g.weights]
+    quantized = sum(w.packed.nbytes + w.absmax.nbytes + w.nested_absmax.nbytes for w in nf4)
+    state = sum(b.nbytes for b in model.layers[0].buffers()) + model.layers[0].linear_norm.nbytes
+    embeddings = model.embed_tokens.nbytes + model.lm_head.nbytes
+    # The planner counts absmax as 1/64 byte a weight, and leaves out the double quantization's fp32
+    # absmax of the absmax.
+    nested = sum(w.nested_absmax.nbytes for w in nf4)
+    assert 0 <= quantized + state + embeddings - frozen_weight_bytes(spec) <= nested
+    lora = LoRAConfig(r=4).trained_weights(spec)
+    assert lora == sum(p.numel() for p in model.trainable_parameters())
+
+
+def test_kept_layer_bytes_follow_what_each_layer_kind_saves(tiny_qwen3_5, monkeypatch):
+    """What one kept layer of each kind saves for backward, measured through autograd's saved-tensor
+    hooks with every op on its Triton kernel (interpreted on the CPU, in bf16), against the planner."""
+    from qlora_cli.model.planner import kept_layer_bytes
+
+    lora_r4 = LoRAConfig(r=4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, spec = tiny_qwen3_5, tiny_qwen3_5.spec
+    frozen = _storages([*model.parameters(), *model.buffers()])
+    for layer in model.layers:
+        for group in layer.projections.values():
+            frozen |= _storages(t for w in group.weights for t in (w.packed, w.absmax, w.nested_absmax))
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq).expand(batch, seq)
+    estimates = {}
+    for layer in model.layers:
+        saved = {}
+
+        def keep(t, saved=saved):
+            if t.untyped_storage().data_ptr() not in frozen:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            layer(x, None, positions, None, model.inv_freq, model.dropout_seed)
+        estimates[layer.kind] = kept_layer_bytes(spec, RunShape(batch * seq, lora_r4), kind=layer.kind)
+        # Not modelled: LoRA's rank-r intermediates (bf16, at most 4 projections of rank 4 in each of 4
+        # groups) and the norms' fp32 statistics per row and head (2 + value heads); and the bf16 LoRA
+        # copies the planner counts are not all kept.
+        lora = lora_r4.lora_weights_per_layer(spec, layer.kind) * 2
+        unmodelled = batch * seq * (2 * 4 * 4 * 4 + 4 * (2 + spec.linear_attention.num_value_heads)) + lora
+        assert abs(sum(saved.values()) - estimates[layer.kind]) <= unmodelled, layer.kind
+    assert estimates["linear_attention"] > 1.5 * estimates["full_attention"]
+
+
+def test_the_plan_for_a_hybrid_model_follows_each_layers_kind(tiny_qwen3_5):
+    """Recomputing one more layer saves what that layer's kind keeps; `auto` picks the fewest
+    recomputed layers that fit the budget, on a hybrid model as on any other."""
+    from qlora_cli.model.planner import estimated_peak_bytes, kept_layer_bytes, recomputed_layer_bytes
+
+    spec, tokens = tiny_qwen3_5.spec, 4096
+    shape = RunShape(tokens, LoRAConfig(r=4))
+    peaks = [estimated_peak_bytes(spec, shape, r) for r in range(spec.num_layers + 1)]
+    for r, kind in enumerate(spec.layer_types):
+        saved = kept_layer_bytes(spec, shape, kind=kind) - recomputed_layer_bytes(spec, tokens, False)
+        assert peaks[r] - peaks[r + 1] == saved
+    budget = (peaks[1] + peaks[0]) / 2 / 2**30
+    assert layers_to_checkpoint("auto", spec, RunShape(tokens, LoRAConfig(r=4), budget)) == 1

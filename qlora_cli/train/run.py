@@ -149,6 +149,12 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
             f"of {spec.max_position_embeddings} (max_position_embeddings)"
         )
+    # Within a window as long as the row, sliding-window attention is plain causal attention.
+    if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
+        raise QLoraError(
+            f"sliding_window {spec.sliding_window} < sequence_len {config.sequence_len}: qlora's attention "
+            f"has no sliding window; set sequence_len <= {spec.sliding_window}"
+        )
 
 
 def _start_adapter(
