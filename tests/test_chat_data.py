@@ -114,7 +114,9 @@ def test_a_role_no_template_knows_stops_naming_the_role_file_and_row(tok, tmp_pa
     ):
         load(tok, tmp_path, rows, type="sharegpt")
     # A role the config's `roles` names is the template's own, rendered as given.
-    example = only(load(tok, tmp_path, rows[1:], roles={"narrator": ["narrator"]}, roles_to_train=["narrator"]))
+    example = only(
+        load(tok, tmp_path, rows[1:], roles={"narrator": ["narrator"]}, roles_to_train=["narrator"])
+    )
     assert "<|im_start|>narrator\nsun, cat<|im_end|>" in tok.decode(example.input_ids)
 
 
@@ -345,7 +347,9 @@ def data_config(tmp_path, rows, **keys):
 
 
 def test_all_rows_dropped_names_the_reasons_not_the_validation_split(tok, tmp_path):
-    wrong_roles = [{"conversations": [{"from": "system", "value": "hi"}, {"from": "human", "value": "yo"}]}] * 3
+    wrong_roles = [
+        {"conversations": [{"from": "system", "value": "hi"}, {"from": "human", "value": "yo"}]}
+    ] * 3
     too_long = [
         {"messages": [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "ok"}]}
     ]
@@ -355,7 +359,8 @@ def test_all_rows_dropped_names_the_reasons_not_the_validation_split(tok, tmp_pa
     message = str(error.value)
     assert "every one of the 4 rows" in message and "validation" not in message
     assert (
-        "3 rows with no turn of a trained role (roles_to_train: assistant; their roles: system, user)" in message
+        "3 rows with no turn of a trained role (roles_to_train: assistant; their roles: system, user)"
+        in message
     )
     assert "1 rows with no trained token within sequence_len" in message
 

@@ -132,9 +132,8 @@ def build_run(
         BatchPlan(eval_examples, **{**plan_args, "sample_packing": eval_packing}) if eval_examples else None
     )
     data_s = time.perf_counter() - data_start
-    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
-    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
-    steps_per_epoch = max(1, math.ceil(batches_per_step))
+    steps_per_epoch = train_plan.steps_per_epoch(config.gradient_accumulation_steps * dist.world_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * steps_per_epoch))
     eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")
