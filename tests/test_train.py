@@ -166,6 +166,50 @@ def test_accumulation_matches_one_large_batch(tmp_path):
         small.optimizer.zero_grad()
 
 
+def _records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "rows, epochs, micro_batches", [(6, 1, 3), (6, 2, 3), (2, 1, 1), (10, 3, 5)], ids=str
+)
+def test_num_epochs_shows_every_row_that_many_times(tmp_path, rows, epochs, micro_batches):
+    """An epoch ends where its data ends: its last step takes the micro-batches left (accumulation 2), so
+    `num_epochs: N` trains N times the dataset's trained tokens in N x ceil(micro-batches / 2) steps."""
+    config = load_config(
+        write_run(
+            tmp_path / "run", rows=rows, max_steps=None, num_epochs=epochs, gradient_accumulation_steps=2
+        )
+    )
+    plan = build_run(config).train_plan
+    assert plan.num_batches == micro_batches
+    dataset_tokens = sum(label != -100 for example in plan.examples for label in example.labels)
+    result = train(config)
+    records = _records(result.output_dir)
+    assert result.step == len(records) == epochs * -(-micro_batches // 2)
+    assert sum(r["trained_tokens"] for r in records) == epochs * dataset_tokens
+    assert records[-1]["epoch"] == epochs
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batch_index"]) == (epochs, 0)
+
+
+def test_a_short_last_step_is_normalised_over_what_it_holds(tmp_path):
+    """The last step of an epoch of 3 micro-batches (accumulation 2) holds one: its loss and gradient are
+    those of that micro-batch's mean token loss."""
+    config = load_config(write_run(tmp_path / "run", rows=6, gradient_accumulation_steps=2))
+    run = build_run(config)
+    params = run.model.trainable_parameters()
+    (last,) = [run.train_plan.batch(0, 2)]
+    logits = run.model(last.input_ids, last.position_ids).flatten(0, 1)
+    total = torch.nn.functional.cross_entropy(logits, last.labels.flatten(), reduction="sum")
+    expected = torch.autograd.grad(total / last.n_tokens, params)
+    loss_sum, trained, _ = train_step(run, 1)
+    assert trained == last.n_tokens
+    assert loss_sum == pytest.approx(float(total), rel=1e-5)
+    for param, grad in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
+
+
 def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
     """An accumulated step's gradient equals autograd's gradient of the mean loss per trained token,
     computed from the logits with torch's cross entropy: the loss is divided once, by the right count."""
@@ -235,10 +279,12 @@ def test_the_logged_lr_is_the_one_each_step_applied(tmp_path):
     assert state["lr"] == applied[-1]
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_resume_is_exact(tmp_path, packing, one_thread):
-    """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for bit."""
+@pytest.mark.parametrize("packing, rows", [(False, 48), (True, 48), (False, 10)], ids=str)
+def test_resume_is_exact(tmp_path, packing, rows, one_thread):
+    """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for
+    bit; with 10 rows an epoch is 3 steps, the last of one micro-batch, and the resumed half crosses it."""
     common = dict(
+        rows=rows,
         sample_packing=packing,
         gradient_accumulation_steps=2,
         lora_dropout=0.1,

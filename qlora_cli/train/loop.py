@@ -128,7 +128,7 @@ class MetricWindow:
             "loss": self.loss_sum / max(1, self.trained_tokens),
             "lr": learning_rate(run.config, done - 1, run.total_steps),
             "grad_norm": grad_norm,
-            "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
+            "epoch": round(run.train_plan.epochs_done(done, batches_per_step), 4),
             "trained_tokens": self.trained_tokens,
             "input_tokens": self.input_tokens,
             "seconds": elapsed,
@@ -148,12 +148,14 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
     No RNG state: training draws nothing from torch's generators (LoRA dropout hashes a seed made from
     the run's seed and the micro-batch, qlora_cli/train/step.py), so the step alone places a resumed run."""
     plan, dist = run.train_plan, run.dist
-    epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
+    epoch, index = divmod(
+        step, plan.steps_per_epoch(run.config.gradient_accumulation_steps * dist.world_size)
+    )
     state = {
         "step": step,
         "total_steps": run.total_steps,
         "epoch": epoch,
-        "batch_index": index,
+        "batch_index": index * run.config.gradient_accumulation_steps * dist.world_size,
         "world_size": dist.world_size,
         "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),

@@ -197,9 +197,9 @@ def _schedule(
     config: TrainConfig, train_plan: BatchPlan, eval_plan: BatchPlan | None, world_size: int, notes: list[str]
 ) -> tuple[int, int | None, int | None]:
     """(total optimizer steps, steps between evaluations, steps between saves)."""
-    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * world_size)
-    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
-    steps_per_epoch = max(1, math.ceil(batches_per_step))
+    # An epoch's last step takes the micro-batches left, so no step spans two epochs.
+    steps_per_epoch = train_plan.steps_per_epoch(config.gradient_accumulation_steps * world_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * steps_per_epoch))
     eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")
