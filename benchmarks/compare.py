@@ -4,7 +4,7 @@ Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps
        [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
        [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--json FILE]
 
-Each runner trains LoRA r=16 on all seven projections of the same checkpoint (benchmarks/random_checkpoint.py
+Each runner trains LoRA r=16 on every projection of the same checkpoint (all seven; Qwen3.5's twelve) (benchmarks/random_checkpoint.py
 writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
 each step's forward and backward as a CUDA graph, as `qlora train` does with packed rows; `qlora-eager`
 launches op by op. `unsloth` is Unsloth with the settings its documentation recommends (4-bit
@@ -109,6 +109,17 @@ def run_qlora(args, graphs: bool) -> dict:
     }
 
 
+def lora_targets(checkpoint) -> list[str]:
+    """Every projection the checkpoint's layers have (for Qwen3.5 the Gated DeltaNet's in_proj_qkv/z/b/a
+    and out_proj too), so every runner puts LoRA on every decoder linear, as qlora's default does."""
+    from qlora_cli.core.names import ALL_PROJECTIONS
+    from qlora_cli.sources.weights import read_spec
+
+    spec = read_spec(checkpoint)
+    present = {name for kind in set(spec.layer_types) for name in spec.projection_shapes(kind)}
+    return [name for name in ALL_PROJECTIONS if name in present]
+
+
 def run_hf(args, liger: bool) -> dict:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -124,7 +135,7 @@ def run_hf(args, liger: bool) -> dict:
     for param in model.parameters():
         if param.dtype == torch.float32 and type(param).__name__ != "Params4bit":
             param.data = param.data.to(torch.bfloat16)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = lora_targets(args.checkpoint)
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
     )
@@ -140,7 +151,7 @@ def run_unsloth(args) -> dict:
     model, _ = FastLanguageModel.from_pretrained(
         model_name=args.checkpoint, max_seq_length=args.seq, load_in_4bit=True, dtype=torch.bfloat16
     )
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = lora_targets(args.checkpoint)
     checkpointing = {"true": "unsloth", "false": False, "auto": "unsloth"}[args.checkpointing]
     model = FastLanguageModel.get_peft_model(
         model,
