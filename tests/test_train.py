@@ -121,8 +121,8 @@ def test_accumulation_matches_one_large_batch(tmp_path):
         with torch.no_grad():
             for a, b in zip(big_params, small_params, strict=True):
                 b.copy_(a)
-        assert big.dist.micro_batches(step, 1) == [step]
-        assert small.dist.micro_batches(step, 2) == [2 * step, 2 * step + 1]
+        assert big.train_plan.step_micro_batches(step, 1) == (0, range(step, step + 1))
+        assert small.train_plan.step_micro_batches(step, 2) == (0, range(2 * step, 2 * step + 2))
         halves = [small.train_plan.batch(0, 2 * step + i) for i in range(2)]
         whole = big.train_plan.batch(0, step)
         for field in ("input_ids", "labels", "position_ids", "doc_ids"):
