@@ -47,6 +47,7 @@ class Run:
     eval_every: int | None = None  # optimizer steps between evaluations
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
+    data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
@@ -213,6 +214,7 @@ def build_run(
         eval_every=eval_every,
         save_every=_every(config.save_steps, config.saves_per_epoch, steps_per_epoch),
         startup_s={"data": data_s, "model": model_s},
+        data_files=data.files,
     )
 
 
