@@ -14,6 +14,7 @@ from rich.markup import escape
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
 from qlora_cli.core.errors import QLoraError, RunAborted
+from qlora_cli.core.wording import count
 from qlora_cli.train.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
@@ -101,7 +102,9 @@ def train(
         from qlora_cli.train.loop import train as run_training
 
         result = run_training(load_config(config, set_ or ()), console=console)
-    console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
+    console.print(
+        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
+    )
 
 
 def _timing(result) -> str:
@@ -138,16 +141,31 @@ def resume(
     ] = None,
     set_: SetOption = None,
     nproc: NprocOption = 1,
+    accept_changed_data: Annotated[
+        bool,
+        typer.Option(
+            help="Continue even though a local data file changed since the checkpoint; the run continues "
+            "at the checkpoint's place in the changed data."
+        ),
+    ] = False,
 ) -> None:
     """Continue an interrupted run exactly where its last checkpoint left it."""
     if nproc > 1:
         from qlora_cli.train.distributed import launch_resume
 
-        raise typer.Exit(launch_resume(nproc, output_dir, checkpoint, set_ or ()))
+        raise typer.Exit(launch_resume(nproc, output_dir, checkpoint, set_ or (), accept_changed_data))
     from qlora_cli.train.loop import resume as resume_training
 
-    result = resume_training(output_dir, checkpoint=checkpoint, overrides=set_ or (), console=console)
-    console.print(f"[green]done[/]: {result.step} steps{_timing(result)}, adapter in {result.output_dir}")
+    result = resume_training(
+        output_dir,
+        checkpoint=checkpoint,
+        overrides=set_ or (),
+        console=console,
+        accept_changed_data=accept_changed_data,
+    )
+    console.print(
+        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
+    )
 
 
 @app.command()
@@ -226,7 +244,7 @@ def export(
     if result.gguf_file:
         what = f"GGUF {result.gguf_file} ({result.base} base, {result.gguf_type}) with an Ollama Modelfile"
     elif result.merged:
-        what = f"merged model ({result.base} base, {result.dtype}, {result.shards} shards)"
+        what = f"merged model ({result.base} base, {result.dtype}, {count(result.shards, 'shard')})"
     else:
         what = "PEFT adapter"
     console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")

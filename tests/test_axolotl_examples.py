@@ -86,7 +86,7 @@ def _example(name: str, fixtures, tmp_path) -> Path:
 def test_example_trains(name, fixtures, tmp_path, run_cli):
     code, _, err = run_cli("train", _example(name, fixtures, tmp_path))
     assert code == 0, err
-    assert "done: 1 steps" in err
+    assert "done: 1 step " in err
     notes = [line for line in err.splitlines() if line.startswith("note: ")]
     assert len(notes) == len(set(notes))
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

@@ -9,7 +9,7 @@ import yaml
 from checkpoints import write_run
 from safetensors.torch import load_file
 
-from qlora_cli.config.loading import load_config
+from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
 from qlora_cli.rundir.adapter import trainable_tensors
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -157,3 +157,23 @@ def test_notes_are_printed_once_per_run(tmp_path, run_cli):
     assert "wandb" not in err
     saved = yaml.safe_load((Path(raw["output_dir"]) / "checkpoint-1" / "config.yaml").read_text())
     assert saved["optimizer"] == "adamw_torch_fused" and "lora_mlp_kernel" not in saved
+
+
+def test_axolotl_conversation_key_is_its_chat_template_or_a_hint():
+    """`conversation:` named type: sharegpt's FastChat template in older Axolotl configs."""
+    dataset = {"path": "chats.jsonl", "type": "sharegpt", "conversation": "chatml"}
+    config = config_from_dict({"base_model": "m", "datasets": [dataset]})
+    assert config.datasets[0].chat_template == "chatml"
+    assert config.notes == ["datasets[0].conversation: chatml is chat_template: chatml"]
+    with pytest.raises(
+        QLoraError,
+        match=r"^config key 'test_datasets\[0\]\.conversation' is Axolotl's older FastChat template name "
+        r"for type: sharegpt; write chat_template: .* instead of conversation: vicuna_v1\.1$",
+    ):
+        config_from_dict(
+            {
+                "base_model": "m",
+                "datasets": [dataset],
+                "test_datasets": [{**dataset, "conversation": "vicuna_v1.1"}],
+            }
+        )

@@ -378,7 +378,7 @@ def test_all_rows_dropped_names_the_reasons_not_the_validation_split(tok, tmp_pa
         "3 rows with no turn of a trained role (roles_to_train: assistant; their roles: system, user)"
         in message
     )
-    assert "1 rows with no trained token within sequence_len" in message
+    assert "1 row with no trained token within sequence_len" in message
 
 
 def test_prepare_data_notes_and_test_datasets(tok, tmp_path):
@@ -391,7 +391,7 @@ def test_prepare_data_notes_and_test_datasets(tok, tmp_path):
     data = prepare_data(config, tok)
     assert (len(data.train), len(data.validation), data.duplicates) == (1, 1, 2)
     assert data.notes() == [
-        f"{tmp_path / 'rows.jsonl'}: 1 rows with no turn of a trained role (their roles: user) dropped",
+        f"{tmp_path / 'rows.jsonl'}: 1 row with no turn of a trained role (their roles: user) dropped",
         "2 duplicate examples removed (dataset_exact_deduplication)",
     ]
 

@@ -7,6 +7,7 @@ import pytest
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.core.wording import count, number
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MINIMAL = {"base_model": "Qwen/Qwen2.5-0.5B", "datasets": [{"path": "data.jsonl", "type": "alpaca"}]}
@@ -14,6 +15,22 @@ MINIMAL = {"base_model": "Qwen/Qwen2.5-0.5B", "datasets": [{"path": "data.jsonl"
 
 def _with(**keys):
     return {**MINIMAL, **keys}
+
+
+def test_counts_and_numbers_read_as_words():
+    assert [count(n, "step") for n in (0, 1, 2, 1234)] == ["0 steps", "1 step", "2 steps", "1,234 steps"]
+    assert (count(1, "process", "processes"), count(2, "process", "processes")) == (
+        "1 process",
+        "2 processes",
+    )
+    assert [number(v) for v in (1 << 20, 65536.0, 0.5, 1e-6)] == ["1,048,576", "65,536", "0.5", "1e-06"]
+
+
+def test_a_range_names_its_bounds_in_full():
+    with pytest.raises(
+        QLoraError, match=r"'sequence_len': expected a value >= 8 and <= 1,048,576, got 2000000$"
+    ):
+        config_from_dict(_with(sequence_len=2_000_000))
 
 
 def test_defaults_follow_the_qlora_paper():

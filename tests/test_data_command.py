@@ -56,7 +56,7 @@ def test_data_prints_statistics_and_highlighted_examples(tmp_path, run_cli, toke
     assert report.datasets[0].dropped == 1
     assert f"training examples: 6 ({tokens:,} tokens, {trained:,} trained;" in out
     assert "evaluation examples: 2" in out
-    assert "chats.jsonl: dropped 1 rows with no turn of a trained role (their roles: user)" in out.replace(
+    assert "chats.jsonl: dropped 1 row with no turn of a trained role (their roles: user)" in out.replace(
         "\n", ""
     )
     assert f"packing efficiency {report.fill:.1%}" in out

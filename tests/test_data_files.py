@@ -94,7 +94,12 @@ def test_unreadable_files_are_one_line_errors(tok, tmp_path):
         load_examples(DatasetConfig(path=str(broken)), tok, 64)
     lines = tmp_path / "bad.json"
     lines.write_text('{"text": "a"}\n{"text": \n')
-    with pytest.raises(QLoraError, match=r"bad\.json:2: not valid JSON"):
+    with pytest.raises(QLoraError, match=r"bad\.json:2: not valid JSON \(Expecting value: column 10\)$"):
+        load_examples(DatasetConfig(path=str(lines), type="text"), tok, 64)
+    lines.write_text('[{"text": "a"},\n{"text": "b}]')
+    with pytest.raises(
+        QLoraError, match=r"bad\.json:2: not valid JSON \(Unterminated string starting at: column 10\)$"
+    ):
         load_examples(DatasetConfig(path=str(lines), type="text"), tok, 64)
     no_suffix = write(tmp_path / "rows.data", ROWS, "parquet")
     with pytest.raises(QLoraError, match=r"unsupported dataset file type '\.data'"):

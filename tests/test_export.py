@@ -364,7 +364,7 @@ def test_cli_exports_the_newest_checkpoint(tmp_path, run_cli):
     code, _, err = run_cli("export", output_dir, "--out", tmp_path / "adapter")
     assert code == 0 and "PEFT adapter" in err and f"checkpoint-{STEPS}" in err
     code, _, err = run_cli("export", output_dir / f"checkpoint-{STEPS}", "--out", tmp_path / "m", "--merged")
-    assert code == 0 and "merged model (original base, bfloat16, 1 shards)" in err
+    assert code == 0 and "merged model (original base, bfloat16, 1 shard)" in err
 
 
 def test_cli_errors_without_a_checkpoint(tmp_path, run_cli):

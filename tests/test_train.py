@@ -1,7 +1,9 @@
 """Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
 
+import hashlib
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -205,7 +207,7 @@ def test_a_short_last_step_is_normalised_over_what_it_holds(tmp_path):
     expected = torch.autograd.grad(total / last.n_tokens, params)
     loss_sum, trained, _ = train_step(run, 1)
     assert trained == last.n_tokens
-    assert loss_sum == pytest.approx(float(total), rel=1e-5)
+    assert loss_sum == pytest.approx(float(total.detach()), rel=1e-5)
     for param, grad in zip(params, expected, strict=True):
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
 
@@ -307,6 +309,35 @@ def test_resume_refuses_a_changed_lora_shape(tmp_path):
     result = _run(tmp_path, "run", max_steps=2)
     with pytest.raises(QLoraError, match="'lora_r' changed from 4 to 8"):
         resume(result.output_dir, overrides=["lora_r=8"])
+
+
+def test_resume_refuses_a_changed_data_file_unless_accepted(tmp_path, run_cli):
+    """The checkpoint records each local data file's size and hash; a touched file that reads the same
+    resumes, a changed one is refused in one line, and --accept-changed-data continues with a note."""
+    result = _run(tmp_path, "run", max_steps=2)
+    data = (tmp_path / "run" / "train.jsonl").resolve()
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert state["data_files"] == [{"path": str(data), "size": data.stat().st_size, "sha256": digest}]
+    os.utime(data, (1, 1))
+    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=3")
+    assert code == 0, err
+    rows = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([rows[1], rows[0], *rows[2:]]))  # the same size, other bytes
+    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4")
+    assert code == 2
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"error: cannot resume {result.output_dir / 'checkpoint-3'}: {data} changed since the checkpoint was "
+        "written; step 3 continues at micro-batch 3 of epoch 0 of the changed data, so rows of this epoch "
+        f"may be skipped or seen twice; continue anyway with `qlora resume {result.output_dir} "
+        "--accept-changed-data`"
+    ]
+    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4", "--accept-changed-data")
+    assert code == 0, err
+    assert (
+        f"note: {data} changed since {result.output_dir / 'checkpoint-3'} (--accept-changed-data)"
+        in " ".join(err.split())
+    )
 
 
 def test_resume_chooses_a_given_checkpoint(tmp_path):

@@ -239,9 +239,35 @@ MAPPED_KEYS = {
 _OWN_KEYS_MAPPED = {"optimizer", "gradient_checkpointing"}
 
 
+def _conversation(datasets: Any, key: str, out: Translation) -> Any:
+    """Axolotl's older `conversation:` of a dataset named the FastChat template of `type: sharegpt`;
+    its `chatml` is qlora's `chat_template: chatml`, and the others have no template of that name here."""
+    if not isinstance(datasets, list):
+        return datasets
+    entries = []
+    for index, entry in enumerate(datasets):
+        if isinstance(entry, dict) and "conversation" in entry:
+            entry = dict(entry)
+            name, where = entry.pop("conversation"), f"{key}[{index}]"
+            if name == "chatml" and entry.get("chat_template") in (None, "chatml"):
+                entry["chat_template"] = "chatml"
+                out.notes.append(f"{where}.conversation: chatml is chat_template: chatml")
+            elif not is_unset(name):
+                out.problems.append(
+                    f"config key '{where}.conversation' is Axolotl's older FastChat template name for "
+                    f"type: sharegpt; write chat_template: chatml, tokenizer_default or jinja (with "
+                    f"chat_template_jinja) on the dataset instead of conversation: {name}"
+                )
+        entries.append(entry)
+    return entries
+
+
 def translate(raw: dict) -> Translation:
     """Axolotl's keys in `raw` turned into qlora's, with a note per noted key and every refusal."""
     out = Translation(raw={k: v for k, v in raw.items() if not _is_axolotl_only(k)})
+    for key in ("datasets", "test_datasets"):
+        if key in out.raw:
+            out.raw[key] = _conversation(out.raw[key], key, out)
     already: dict[str, list[str]] = {}
     for key, value in raw.items():
         if is_unset(value):

@@ -22,6 +22,7 @@ from qlora_cli.core.names import (
     FALLBACK_TEMPLATE,
     SHIPPED_TEMPLATES,
 )
+from qlora_cli.core.wording import number
 
 
 def _type_name(tp: Any) -> str:
@@ -130,8 +131,8 @@ def _range_problem(name: str, value: Any, bounds: tuple) -> str | None:
     too_high = hi is not None and (value >= hi if hi_open else value > hi)
     if not (too_low or too_high):
         return None
-    left = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
-    right = "" if hi is None else f"{'<' if hi_open else '<='} {hi:g}"
+    left = "" if lo is None else f"{'>' if lo_open else '>='} {number(lo)}"
+    right = "" if hi is None else f"{'<' if hi_open else '<='} {number(hi)}"
     expected = " and ".join(p for p in (left, right) if p)
     return f"config key '{name}': expected a value {expected}, got {value!r}"
 

@@ -17,6 +17,11 @@ def json_type(value: Any) -> str:
     return names.get(type(value), "a number")
 
 
+def json_error(error: json.JSONDecodeError) -> str:
+    """Python's reason with the column: "Unterminated string starting at: column 7", as json says it."""
+    return f"not valid JSON ({error.msg}: column {error.colno})"
+
+
 def json_lines(file: Path, text: str) -> Iterator[Row]:
     """Each non-blank line of a JSON Lines text as (where, object), where = 'file:line'."""
     for line_number, line in enumerate(text.splitlines(), start=1):
@@ -26,7 +31,7 @@ def json_lines(file: Path, text: str) -> Iterator[Row]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise QLoraError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+            raise QLoraError(f"{where}: {json_error(error)}") from None
         if not isinstance(row, dict):
             raise QLoraError(f"{where}: expected a JSON object, got {json_type(row)}")
         yield where, row

@@ -25,8 +25,9 @@ import torch
 
 from qlora_cli.config.schema import DatasetConfig, TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import count, number
 from qlora_cli.data import prompts
-from qlora_cli.data.files import files_for_split, read_split
+from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list
 from qlora_cli.sources.hub import resolve_dataset, snapshot_commit
 from qlora_cli.sources.run_tokenizer import dataset_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -149,16 +150,17 @@ def split_validation(
     if isinstance(val_set_size, float):
         if not 0.0 <= val_set_size < 1.0:
             raise QLoraError(f"val_set_size {val_set_size} must be a fraction in [0, 1) or a whole count")
-        count = 0 if val_set_size == 0.0 else max(1, round(val_set_size * n))
+        held = 0 if val_set_size == 0.0 else max(1, round(val_set_size * n))
     else:
         if val_set_size < 0:
             raise QLoraError(f"val_set_size must not be negative, got {val_set_size}")
-        count = val_set_size
-    if count >= n and count > 0:
+        held = val_set_size
+    if held >= n and held > 0:
         raise QLoraError(
-            f"val_set_size holds out {count} examples but there are only {n}; none would be left to train"
+            f"val_set_size holds out {count(held, 'example')} but there are only {number(n)}; none would be left "
+            "to train"
         )
-    held_out = set(random.Random(f"{seed}:validation").sample(range(n), count))
+    held_out = set(random.Random(f"{seed}:validation").sample(range(n), held))
     train = [e for i, e in enumerate(examples) if i not in held_out]
     validation = [e for i, e in enumerate(examples) if i in held_out]
     return train, validation
@@ -177,25 +179,28 @@ class PreparedData:
     duplicates: int = 0
     datasets: list = dataclasses.field(default_factory=list)  # the entries read, hub ones pinned
     test_datasets: list = dataclasses.field(default_factory=list)
+    files: list[dict] = dataclasses.field(default_factory=list)  # fingerprints of the local files read
 
     def notes(self) -> list[str]:
         """One line per dataset whose rows were cut or dropped, and one for removed duplicates."""
         lines = []
         for name, examples in self.loaded:
             if examples.truncated:
-                lines.append(f"{name}: {examples.truncated} examples truncated to sequence_len")
+                lines.append(f"{name}: {count(examples.truncated, 'example')} truncated to sequence_len")
             if examples.dropped:
                 lines.append(f"{name}: {dropped_text(examples)} dropped")
         if self.duplicates:
-            lines.append(f"{self.duplicates} duplicate examples removed (dataset_exact_deduplication)")
+            lines.append(
+                f"{count(self.duplicates, 'duplicate example')} removed (dataset_exact_deduplication)"
+            )
         return lines
 
 
 def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> str:
     """How many rows were dropped for which reason, in one line."""
     parts = []
-    for reason, count in examples.dropped.most_common():
-        text = f"{count} rows with {reason}"
+    for reason, rows in examples.dropped.most_common():
+        text = f"{count(rows, 'row')} with {reason}"
         if reason == WRONG_ROLES and examples.roles_seen:
             wanted = f"roles_to_train: {', '.join(roles_to_train)}; " if roles_to_train else ""
             text += f" ({wanted}their roles: {', '.join(sorted(examples.roles_seen))})"
@@ -228,11 +233,19 @@ def pinned_dataset(dataset, local):
     return dataclasses.replace(dataset, revision=commit) if commit else dataset
 
 
+def local_files(dataset, local) -> list[dict]:
+    """Fingerprints of the files a local dataset reads; none for a hub one, which its commit pins."""
+    if local.path != dataset.path and snapshot_commit(Path(local.path)):
+        return []
+    files = split_file_list(Path(local.path), local.split, data_files=local.data_files, subset=local.name)
+    return [fingerprint(file) for file in files]
+
+
 def _load_all(
     datasets: list, tokenizer: ChatTokenizer, config: TrainConfig, key: str
-) -> tuple[list[tuple[str, ExampleList]], list]:
-    """Each dataset's examples, and the entries as pinned_dataset saves them."""
-    loaded, pinned = [], []
+) -> tuple[list[tuple[str, ExampleList]], list, list[dict]]:
+    """Each dataset's examples, the entries as pinned_dataset saves them, and the local files' fingerprints."""
+    loaded, pinned, files = [], [], []
     for dataset in datasets:
         chosen = dataset_template(tokenizer, dataset, config)
         local = local_dataset(dataset)
@@ -246,12 +259,13 @@ def _load_all(
         )
         if not examples:
             raise QLoraError(
-                f"{key}: every one of the {examples.rows} rows of {dataset.path} was dropped: "
+                f"{key}: every one of the {count(examples.rows, 'row')} of {dataset.path} was dropped: "
                 f"{dropped_text(examples, dataset.roles_to_train)}"
             )
         loaded.append((dataset.path, examples))
         pinned.append(pinned_dataset(dataset, local))
-    return loaded, pinned
+        files += [entry for entry in local_files(dataset, local) if entry not in files]
+    return loaded, pinned, files
 
 
 def _deduplicated(examples: list[Example]) -> list[Example]:
@@ -270,18 +284,21 @@ def prepare_data(config: TrainConfig, tokenizer: ChatTokenizer) -> PreparedData:
 
     Evaluation examples come from test_datasets when there are any, else val_set_size holds them out.
     """
-    loaded, datasets = _load_all(config.datasets, tokenizer, config, "datasets")
+    loaded, datasets, files = _load_all(config.datasets, tokenizer, config, "datasets")
     examples = [example for _, dataset_examples in loaded for example in dataset_examples]
     duplicates = 0
     if config.dataset_exact_deduplication:
         kept = _deduplicated(examples)
         duplicates, examples = len(examples) - len(kept), kept
     if config.test_datasets:
-        tested, test_datasets = _load_all(config.test_datasets, tokenizer, config, "test_datasets")
+        tested, test_datasets, test_files = _load_all(
+            config.test_datasets, tokenizer, config, "test_datasets"
+        )
         validation = [example for _, dataset_examples in tested for example in dataset_examples]
-        return PreparedData(examples, validation, loaded + tested, duplicates, datasets, test_datasets)
+        files += [entry for entry in test_files if entry not in files]
+        return PreparedData(examples, validation, loaded + tested, duplicates, datasets, test_datasets, files)
     train, validation = split_validation(examples, config.val_set_size, config.seed)
-    return PreparedData(train, validation, loaded, duplicates, datasets)
+    return PreparedData(train, validation, loaded, duplicates, datasets, files=files)
 
 
 # ----- batches -----

@@ -8,6 +8,7 @@ hub does it, and `split: train[10:20%]` slices the chosen split's rows.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.jsonl import Row, json_lines, json_type
+from qlora_cli.core.jsonl import Row, json_error, json_lines, json_type
+from qlora_cli.core.wording import count
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 DATA_SUFFIXES = tuple(FORMATS)
@@ -46,7 +48,9 @@ class SplitPart:
             index = _bound(self.start, rows, self.text)
             index = index + rows if index < 0 else index
             if not 0 <= index < rows:
-                raise QLoraError(f"split '{self.text}': row {self.start} is out of range ({rows} rows)")
+                raise QLoraError(
+                    f"split '{self.text}': row {self.start} is out of range ({count(rows, 'row')})"
+                )
             return index, index + 1
         start = _bound(self.start, rows, self.text) if self.start else 0
         stop = _bound(self.stop, rows, self.text) if self.stop else rows
@@ -234,9 +238,7 @@ def _json_rows(file: Path) -> Iterator[Row]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
-        raise QLoraError(
-            f"{file}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno})"
-        ) from None
+        raise QLoraError(f"{file}:{error.lineno}: {json_error(error)}") from None
     for index, row in enumerate(items):
         where = f"{file}: item {index}"
         if not isinstance(row, dict):
@@ -302,3 +304,40 @@ def read_split(
         start, stop = part.bounds(len(part_rows))
         rows += part_rows[start:stop]
     return rows
+
+
+def split_file_list(
+    path: Path,
+    split: str,
+    *,
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+    subset: str | None = None,
+) -> list[Path]:
+    """Every file read_split reads for `split`, once each."""
+    files: list[Path] = []
+    for part in parse_split(split):
+        files += [
+            f for f in split_files(path, part.name, data_files=data_files, subset=subset) if f not in files
+        ]
+    return files
+
+
+def fingerprint(file: Path) -> dict:
+    """What a run records of a local data file it read, so that a resume can tell it changed: its size
+    and a hash of all its bytes (a touched file that reads the same is no change)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return {
+        "path": str(Path(file).resolve()),
+        "size": Path(file).stat().st_size,
+        "sha256": digest.hexdigest(),
+    }
+
+
+def changed_files(recorded: list[dict], current: list[dict]) -> list[str]:
+    """The files whose recorded fingerprint the current ones do not match: changed, gone or new."""
+    before = {entry["path"]: entry for entry in recorded}
+    now = {entry["path"]: entry for entry in current}
+    return sorted(path for path in before.keys() | now.keys() if before.get(path) != now.get(path))

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import count, number
 from qlora_cli.data.examples import IGNORE_INDEX, BatchPlan, Example, ExampleList, dropped_text, prepare_data
 from qlora_cli.sources.hub import resolve_tokenizer
 from qlora_cli.sources.run_tokenizer import run_tokenizer
@@ -162,14 +163,16 @@ def print_data_report(report: DataReport, console: Console, show: int = 0) -> No
     trained = sum(_trained(e) for e in report.train)
     longest = max(len(e.input_ids) for e in report.train)
     lines = [
-        f"training examples: {len(report.train):,} ({tokens:,} tokens, {trained:,} trained; "
-        f"mean {tokens / len(report.train):.1f}, longest {longest} of sequence_len {report.sequence_len})",
+        f"training examples: {number(len(report.train))} ({count(tokens, 'token')}, {number(trained)} trained; "
+        f"mean {tokens / len(report.train):.1f}, longest {number(longest)} of sequence_len {number(report.sequence_len)})",
         f"evaluation examples: {len(report.validation):,}",
     ]
     if report.duplicates:
         lines.append(f"duplicates removed: {report.duplicates:,}")
     if report.sample_packing:
-        batches = f"packed rows of {report.sequence_len} tokens; packing efficiency {report.fill:.1%}"
+        batches = (
+            f"packed rows of {count(report.sequence_len, 'token')}; packing efficiency {report.fill:.1%}"
+        )
     else:
         batches = f"padded rows; {report.fill:.1%} of their tokens are not padding"
     lines.append(
@@ -179,7 +182,9 @@ def print_data_report(report: DataReport, console: Console, show: int = 0) -> No
     for line in lines:
         console.print(line, highlight=False)
     for index, example in enumerate(report.train[:show]):
-        console.rule(f"example {index} ({len(example.input_ids)} tokens, {_trained(example)} trained)")
+        console.rule(
+            f"example {index} ({count(len(example.input_ids), 'token')}, {number(_trained(example))} trained)"
+        )
         console.print(highlighted(example, report.tokenizer, color=color), highlight=False)
     if show:
         legend = "trained tokens" if color else "⟦trained tokens⟧"

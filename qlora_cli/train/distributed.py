@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped
+from qlora_cli.core.wording import count
 from qlora_cli.rundir.checkpoint import read_trainer_state
 from qlora_cli.rundir.folder import check_new_run, latest_checkpoint
 
@@ -105,7 +106,8 @@ class Distributed:
             available = torch.cuda.device_count()
             if local_world > available:
                 raise QLoraError(
-                    f"{local_world} processes on this machine need one GPU each, but it has {available}"
+                    f"{count(local_world, 'process', 'processes')} on this machine need one GPU each, "
+                    f"but it has {count(available, 'GPU')}"
                 )
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
@@ -255,7 +257,7 @@ def check_world_size(checkpoint: Path, world_size: int) -> None:
     saved = read_trainer_state(checkpoint).get("world_size", 1)
     if saved != world_size:
         raise QLoraError(
-            f"cannot resume {checkpoint}: it was written by {saved} process{'es' if saved > 1 else ''} "
+            f"cannot resume {checkpoint}: it was written by {count(saved, 'process', 'processes')} "
             f"and this run has {world_size}; resume it with `--nproc {saved}`"
         )
 
@@ -308,10 +310,13 @@ def launch_train(nproc: int, config_path: Path, overrides=()) -> int:
     return _launch(nproc, ["train", str(config_path), *_set_options(overrides)])
 
 
-def launch_resume(nproc: int, output_dir: Path, checkpoint: Path | None = None, overrides=()) -> int:
+def launch_resume(
+    nproc: int, output_dir: Path, checkpoint: Path | None = None, overrides=(), accept_changed_data=False
+) -> int:
     """`qlora resume OUTPUT_DIR` in `nproc` processes, once the checkpoint it would pick fits that many."""
     found = Path(checkpoint) if checkpoint else latest_checkpoint(Path(output_dir))
     if found is not None and found.is_dir():
         check_world_size(found, nproc)
     chosen = [f"--checkpoint={checkpoint}"] if checkpoint else []
+    chosen += ["--accept-changed-data"] if accept_changed_data else []
     return _launch(nproc, ["resume", str(output_dir), *chosen, *_set_options(overrides)])

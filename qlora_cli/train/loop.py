@@ -24,6 +24,8 @@ from qlora_cli.config.loading import apply_override, config_from_dict, config_to
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
+from qlora_cli.core.wording import count
+from qlora_cli.data.files import changed_files
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
@@ -94,7 +96,7 @@ class LossWatchdog:
 
     def describe(self) -> str:
         losses = ", ".join(f"{loss:.4g}" for loss in self.high)
-        return f"loss above loss_watchdog_threshold {self.threshold:g} for {len(self.high)} steps in a row ({losses})"
+        return f"loss above loss_watchdog_threshold {self.threshold:g} for {count(len(self.high), 'step')} in a row ({losses})"
 
 
 class MetricWindow:
@@ -162,6 +164,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "metrics": metrics[-100:],
         "trackers": trackers.state(),
         "run_id": run.run_id,
+        "data_files": run.data_files,
     }
     folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
@@ -177,8 +180,10 @@ def train(
     resume_from: Path | None = None,
     console: Console | None = None,
     observe_step: StepObserver | None = None,
+    accept_changed_data: bool = False,
 ) -> TrainResult:
-    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint.
+    """Train LoRA adapters as the config says; with resume_from, continue that checkpoint (whose local
+    data files must read as they did, unless accept_changed_data).
 
     With `observe_step`, every optimizer step runs inside `observe_step(device)`, and the steps run
     eagerly (no CUDA graphs), so that what it times is each op: `qlora profile` passes its recorder's
@@ -207,8 +212,9 @@ def train(
         for folder in ownership.set_aside:
             console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
         result = _train(
-            config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started
-        )
+            config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started,
+            accept_changed_data,
+        )  # fmt: skip
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
@@ -245,6 +251,7 @@ def _train(
     run_id: str | None,
     observe_step: StepObserver | None = None,
     started: float | None = None,
+    accept_changed_data: bool = False,
 ) -> TrainResult:
     """`started`: when the caller began, so that the start-up reported covers its part too."""
     started = time.perf_counter() if started is None else started
@@ -257,7 +264,7 @@ def _train(
         check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
-        start, metrics, tracker_state = _restore(run, resume_from, out)
+        start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
         if dist.is_main:
             trackers.start(output_dir, start, tracker_state, warn=out.print)
         _announce(run, trackers, out)
@@ -291,19 +298,43 @@ def _train(
             _write_final_adapter(run, last_checkpoint)
         total = time.perf_counter() - started
         out.to_file(
-            f"finished: {run.total_steps} steps in {total:.1f} s (start-up {startup:.1f} s), adapter in {output_dir}"
+            f"finished: {count(run.total_steps, 'step')} in {total:.1f} s (start-up {startup:.1f} s), adapter in {output_dir}"
         )
     return TrainResult(output_dir, run.total_steps, loss, last_checkpoint, startup)
 
 
-def _restore(run: Run, resume_from: Path | None, out: RunOutput) -> tuple[int, list[dict], dict]:
+def _restore(
+    run: Run, resume_from: Path | None, out: RunOutput, accept_changed_data: bool = False
+) -> tuple[int, list[dict], dict]:
     """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
     fresh start's. An "rng" entry that older checkpoints hold is not read: nothing draws from it."""
     if resume_from is None:
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
+    _check_data_files(run, state, resume_from, out, accept_changed_data)
     out.print(f"resuming from {resume_from} at step {state['step']}")
     return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
+
+
+def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool) -> None:
+    """A resumed run continues at the checkpoint's step, which places it in the data by position: a local
+    file that changed since (checkpoints before this check record none) moves the rows under it."""
+    changed = changed_files(state.get("data_files", run.data_files), run.data_files)
+    if not changed:
+        return
+    at = (
+        f"step {state['step']} continues at micro-batch {state.get('batch_index', 0)} of epoch "
+        f"{state.get('epoch', 0)} of the changed data, so rows of this epoch may be skipped or seen twice"
+    )
+    if not accept:
+        others = f" (and {count(len(changed) - 1, 'other file')})" if len(changed) > 1 else ""
+        raise QLoraError(
+            f"cannot resume {checkpoint}: {changed[0]}{others} changed since the checkpoint was written; "
+            f"{at}; continue anyway with `qlora resume {run.config.output_dir} --accept-changed-data"
+            f"{run.dist.resume_option}`"
+        )
+    for path in changed:
+        out.print(f"[yellow]note:[/] {path} changed since {checkpoint} (--accept-changed-data): {at}")
 
 
 def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
@@ -311,12 +342,15 @@ def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
         out.print(f"[yellow]note:[/] {note}")
     n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
     out.print(
-        f"{run.model.spec.model_type} · {run.model.spec.num_layers} layers · "
-        f"{'NF4' if run.config.quantize else 'unquantized'} base · {n_trainable:,} trainable parameters · "
-        f"{run.train_plan.num_batches} micro-batches per epoch · {run.total_steps} steps on {run.device}"
+        f"{run.model.spec.model_type} · {count(run.model.spec.num_layers, 'layer')} · "
+        f"{'NF4' if run.config.quantize else 'unquantized'} base · {count(n_trainable, 'trainable parameter')} · "
+        f"{count(run.train_plan.num_batches, 'micro-batch', 'micro-batches')} per epoch · "
+        f"{count(run.total_steps, 'step')} on {run.device}"
     )
     if run.dist.active:
-        out.print(f"data parallel over {run.dist.world_size} processes ({run.dist.device.type})")
+        out.print(
+            f"data parallel over {count(run.dist.world_size, 'process', 'processes')} ({run.dist.device.type})"
+        )
 
 
 def _startup_line(run: Run, seconds: float) -> str:
@@ -400,8 +434,11 @@ def _write_final_adapter(run: Run, checkpoint: Path) -> None:
             ) from None
 
 
-def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None) -> TrainResult:
-    """Continue a run from its newest complete checkpoint (or the one given)."""
+def resume(
+    output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None, accept_changed_data=False
+) -> TrainResult:
+    """Continue a run from its newest complete checkpoint (or the one given); accept_changed_data: even
+    when a local data file it read has changed since."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise QLoraError(f"{output_dir} is not a folder with checkpoints")
@@ -418,7 +455,7 @@ def resume(output_dir: Path, *, checkpoint: Path | None = None, overrides=(), co
     config = _same_folder_as_saved(config_from_dict(raw), saved)
     check_continues(saved, config, checkpoint)
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
-    return train(config, resume_from=checkpoint, console=console)
+    return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
 
 
 def _same_folder_as_saved(config: TrainConfig, saved: TrainConfig) -> TrainConfig:

@@ -48,6 +48,7 @@ class Run:
     eval_every: int | None = None  # optimizer steps between evaluations
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
+    data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
@@ -111,7 +112,7 @@ def build_run(
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
     data_start = time.perf_counter()
-    config, train_plan, eval_plan = _setup_data(config, tokenizer, notes)
+    config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
     # The schedule counts the train plan's batches; the memory plan decides how the model is built.
     total_steps, eval_every, save_every = _schedule(config, train_plan, eval_plan, dist.world_size, notes)
@@ -140,6 +141,7 @@ def build_run(
         eval_every=eval_every,
         save_every=save_every,
         startup_s={"data": data_s, "model": model_s},
+        data_files=data_files,
     )
 
 
@@ -171,8 +173,9 @@ def _start_adapter(
 
 def _setup_data(
     config: TrainConfig, tokenizer: ChatTokenizer, notes: list[str]
-) -> tuple[TrainConfig, BatchPlan, BatchPlan | None]:
-    """The examples planned into micro-batches, and the config naming the datasets as they were pinned."""
+) -> tuple[TrainConfig, BatchPlan, BatchPlan | None, list[dict]]:
+    """The examples planned into micro-batches, the config naming the datasets as they were pinned, and
+    the local files read (path, size, hash), which resume checks."""
     data = prepare_data(config, tokenizer)
     config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
     notes += data.notes()
@@ -190,7 +193,7 @@ def _setup_data(
         if data.validation
         else None
     )
-    return config, train_plan, eval_plan
+    return config, train_plan, eval_plan, data.files
 
 
 def _schedule(
