@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3, write_qwen3_5
+from checkpoints import (
+    DEMO_TOKENIZER,
+    add_demo_tokenizer,
+    load_transformers,
+    write_llama3_tokenizer,
+    write_qwen2,
+    write_qwen3,
+    write_qwen3_5,
+)
 from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import config_from_dict, load_config
@@ -20,10 +28,12 @@ from qlora_cli.export.command import export
 from qlora_cli.generate import command as generate_command
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
-from qlora_cli.generate.source import load_source
+from qlora_cli.generate.source import load_source, stop_ids
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.checkpoint import save_checkpoint
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
 from qlora_kernels import nf4_matvec
 from qlora_kernels.nf4 import NF4Weight
@@ -330,6 +340,17 @@ def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
     adapted = ours(run_cli, run, tmp_path / "a.jsonl")
     base = ours(run_cli, run, tmp_path / "b.jsonl", "--base-only")
     assert [r["completion"] for r in adapted] != [r["completion"] for r in base]
+
+
+def test_stop_tokens_are_the_declared_end_of_turn_else_the_probed_one_and_llama3s_other_ends(tmp_path):
+    write_llama3_tokenizer(tmp_path, 320)
+    llama = choose_template(ChatTokenizer.from_folder(tmp_path), "llama3", None)
+    # The vocabulary holds <|end_of_text|> but no <|eom_id|>.
+    assert stop_ids(llama, {}) == {llama.token_to_id(t) for t in ("<|eot_id|>", "<|end_of_text|>")}
+    demo = ChatTokenizer.from_folder(DEMO_TOKENIZER)
+    assert stop_ids(demo, {}) == {demo.token_to_id("<|im_end|>")}
+    declared = demo.with_chat_template(demo.chat_template, "a test", end_of_turn="<|endoftext|>")
+    assert stop_ids(declared, {}) == {demo.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
 
 
 def error_line(result) -> str:
