@@ -1,6 +1,10 @@
-"""Write a random-weight checkpoint of a Qwen2.5 shape, sharded like the hub's, for benchmarks and GPU runs.
+"""Write a random-weight checkpoint of a benchmark shape, sharded like the hub's, for benchmarks and GPU runs.
 
-Usage: python -m benchmarks.random_checkpoint qwen2.5-0.5b OUT_DIR [--layers N] [--device cuda]
+Usage: python -m benchmarks.random_checkpoint SHAPE OUT_DIR [--layers N] [--device cuda]
+SHAPE: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3.5-9b, qwen3.5-27b, llama-3.1-8b, mistral-small-24b
+(benchmarks/shapes.py). Every tensor the shape's ModelSpec expects, under the names transformers
+loads: a Qwen3.5's Gated DeltaNet layers get A_log = log(U(0.01, 16)) and dt_bias = 1 as transformers
+initialises them; norms scale near 1 (a zero-centred norm's weight is near 0, it scales by 1 + w).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.shapes import QWEN25, qwen25_config
+from benchmarks.shapes import MODELS, model_config
 from qlora_cli.sources.weights import spec_from_config
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "tiny-qwen3"
@@ -23,8 +27,7 @@ SHARD_BYTES = 4 << 30
 def write_checkpoint(
     name: str, out: Path, *, layers: int | None = None, device: str = "cpu", seed: int = 0
 ) -> Path:
-    overrides = {"num_hidden_layers": layers} if layers else {}
-    config = qwen25_config(name, **overrides)
+    config = model_config(name, layers)
     spec = spec_from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -35,7 +38,13 @@ def write_checkpoint(
     size = 0
     for tensor_name, shape in spec.expected_tensors().items():
         if tensor_name.endswith("norm.weight"):
-            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator, device=device)
+            # Qwen3.5's zero-centred norms scale by 1 + w; its gated norm, like every other family's, by w.
+            centre = 0.0 if spec.zero_centred_norms and "linear_attn" not in tensor_name else 1.0
+            tensor = centre + 0.1 * torch.randn(shape, generator=generator, device=device)
+        elif tensor_name.endswith("A_log"):
+            tensor = torch.empty(shape, device=device).uniform_(0.01, 16, generator=generator).log()
+        elif tensor_name.endswith("dt_bias"):
+            tensor = torch.ones(shape, device=device)
         else:
             tensor = torch.randn(shape, generator=generator, device=device) * (0.5 / shape[-1] ** 0.5)
         tensor = tensor.to(torch.bfloat16).cpu()
@@ -56,7 +65,7 @@ def write_checkpoint(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shape", choices=sorted(QWEN25))
+    parser.add_argument("shape", choices=sorted(MODELS))
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,5 @@
-"""Qwen2.5 shapes the benchmarks run at, as transformers' config.json fields."""
+"""The model shapes the benchmarks run at, as transformers' config.json fields: Qwen2.5 0.5B to 7B,
+Qwen3.5 9B and 27B, Llama 3.1 8B and Mistral Small 24B."""
 
 QWEN25 = {
     "qwen2.5-0.5b": dict(
@@ -43,4 +44,101 @@ def qwen25_config(name: str, **overrides) -> dict:
         **QWEN25[name],
     }
     config.update(overrides)
+    return config
+
+
+def _qwen3_5(hidden: int, layers: int, intermediate: int, heads: int, value_heads: int) -> dict:
+    """Qwen3.5 (= Qwen3.6) text decoder as Qwen3_5ForCausalLM saves it: three Gated DeltaNet layers,
+    then one gated attention layer, repeated (notes: Qwen3.5 §1.4)."""
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
+    }
+
+
+# Every shape the benchmarks run at, as a full config.json: the Qwen2.5 sizes above and one model of each
+# other family qlora trains.
+MODELS = {
+    **{name: {} for name in QWEN25},
+    "qwen3.5-9b": _qwen3_5(hidden=4096, layers=32, intermediate=12288, heads=16, value_heads=32),
+    "qwen3.5-27b": _qwen3_5(hidden=5120, layers=64, intermediate=17408, heads=24, value_heads=48),
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
+    "mistral-small-24b": {  # Mistral-Small-24B-Base-2501: head_dim 128 with 32 heads, hidden 5120
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 131072,
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_theta": 100000000.0,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def model_config(name: str, layers: int | None = None) -> dict:
+    """A full config.json for a benchmark shape, with `layers` decoder layers if given (a Qwen3.5 keeps its
+    pattern: layer i is full attention when (i + 1) % 4 == 0, so give a multiple of 4 to keep the mix)."""
+    if name in QWEN25:
+        return qwen25_config(name, **({"num_hidden_layers": layers} if layers else {}))
+    config = dict(MODELS[name])
+    if layers:
+        config["num_hidden_layers"] = layers
     return config

@@ -116,9 +116,23 @@ def gated_delta_rule_step_reference(
 # triangular solve works in four 16-token blocks, the smallest tile tl.dot takes.
 CHUNK = 64
 
-# Every tl.dot here multiplies fp32 tiles with input_precision="ieee": the state and the
-# triangular solve need fp32 (a TF32 product loses 3 decimal digits per step of a 64-long scan),
-# and keeping to one dot form avoids the fp32/TF32 layouts that fail on Hopper with triton 3.6.
+# NOTE (tensor cores): for bf16 or fp16 inputs (TENSOR_CORE_DTYPES) the normalised q and k and the
+# chunk tables T, W, Aqk, delta and d delta are stored in the inputs' dtype, and every product of the tables and of the
+# scans (K K^T, Q K^T, T (beta V), T (beta K), W S, Q S, Aqk delta, K^T delta and their backward
+# forms) takes its operands in that dtype with fp32 accumulation (_mma): 8-16x the fp32 FMA rate on
+# Hopper. Each operand rounding is relative 2^-9 (bf16) and the state itself stays fp32 across
+# chunks, so the error does not compound beyond the recurrence's own contraction (the derivation is
+# at BF16_TOL in tests/test_delta_rule.py). fla's kernels make the same choice. Kept in fp32
+# (input_precision="ieee"): the triangular solve's inverse and merges, where (I + A)^-1 may amplify
+# an operand error by its condition number; the cumulative log-decay (exp(b_i - b_j) needs b to
+# fp32); and everything for fp32 inputs, so the interpreter tests compare the algorithm exactly.
+TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
+
+# NOTE (Hopper miscompile): no tl.dot here takes tl.trans of a tile computed by another tl.dot.
+# Triton 3.4 to 3.7.0 on sm_90 lowers that transposed accumulator layout to wrong values
+# (flash-linear-attention issue 640: tl.dot(tl.trans(b_ds.to(bf16)), b_q) corrupted dk and dg in
+# its chunk_bwd_dqkwg). A transposed product is computed from loaded tiles instead
+# (dk = (dS delta^T)^T is stored transposed; dqk^T and dA^T are recomputed from loaded tiles).
 
 # Defined only where triton is installed; without it use_triton() is False and the references run.
 if TRITON_AVAILABLE:
@@ -139,7 +153,8 @@ if TRITON_AVAILABLE:
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """(token, head) rows to fp32 scale * x / ||x||, the form every later kernel reads."""
+        """(token, head) rows to scale * x / ||x|| (computed in fp32, stored in the tables' dtype),
+        the form every later kernel reads."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (rows < n_rows)[:, None] & (dims < dim)
@@ -148,7 +163,7 @@ if TRITON_AVAILABLE:
         x = tl.load(x_ptr + x_rows[:, None] + dims, mask=mask, other=0.0).to(tl.float32)
         if NORMALIZE:
             x = x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-        tl.store(y_ptr + rows[:, None] * dim + dims, x * scale, mask=mask)
+        tl.store(y_ptr + rows[:, None] * dim + dims, (x * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _l2norm_bwd_kernel(
@@ -229,6 +244,7 @@ if TRITON_AVAILABLE:
         b_stride_t,
         docs_stride_t,
         BLOCK_K: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         valid = rows < seq
         dims = tl.arange(0, BLOCK_K)
@@ -236,20 +252,23 @@ if TRITON_AVAILABLE:
             k_ptr + rows[:, None] * k_stride_t + dims[None, :],
             mask=valid[:, None] & (dims < k_dim)[None, :],
             other=0.0,
-        )
+        ).to(DOT)
         beta = tl.load(beta_ptr + rows * beta_stride_t, mask=valid, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + rows * b_stride_t, mask=valid, other=0.0)
         doc = tl.load(docs_ptr + rows * docs_stride_t, mask=valid, other=-1)
         return k, beta, b, doc
 
     @triton.jit
-    def _block_a(k_i, beta_i, b_i, doc_i, rows_i, k_j, b_j, doc_j, rows_j):
+    def _mma(a, b, dtype: tl.constexpr):
+        """a @ b with operands in dtype (a chunk table's: see TENSOR_CORE_DTYPES), accumulated in fp32."""
+        return tl.dot(a.to(dtype), b.to(dtype), input_precision="ieee")
+
+    @triton.jit
+    def _block_a(k_i, beta_i, b_i, doc_i, rows_i, k_j, b_j, doc_j, rows_j, dtype: tl.constexpr):
         """A[i, j] = beta_i (k_i . k_j) exp(b_i - b_j) for the earlier tokens j of i's document."""
         mask = (doc_i[:, None] == doc_j[None, :]) & (rows_i[:, None] > rows_j[None, :])
         decay = tl.exp(tl.where(mask, b_i[:, None] - b_j[None, :], 0.0))
-        return tl.where(
-            mask, tl.dot(k_i, tl.trans(k_j), input_precision="ieee") * decay * beta_i[:, None], 0.0
-        )
+        return tl.where(mask, _mma(k_i, tl.trans(k_j), dtype) * decay * beta_i[:, None], 0.0)
 
     @triton.jit
     def _unit_lower_inverse(a):
@@ -265,7 +284,11 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _store_block(t_ptr, rows, col, tile, seq, row_stride):
         cols = col + tl.arange(0, 16)
-        tl.store(t_ptr + rows[:, None] * row_stride + cols[None, :], tile, mask=(rows < seq)[:, None])
+        tl.store(
+            t_ptr + rows[:, None] * row_stride + cols[None, :],
+            tile.to(t_ptr.dtype.element_ty),
+            mask=(rows < seq)[:, None],
+        )
 
     @triton.jit
     def _chunk_solve_kernel(
@@ -297,6 +320,7 @@ if TRITON_AVAILABLE:
         b_ptr += batch * seq * v_heads + head
         docs_ptr += batch * docs_stride_b
         t_ptr += (batch * seq * v_heads + head) * CHUNK
+        dot = t_ptr.dtype.element_ty
         r0 = tl.program_id(0) * CHUNK + tl.arange(0, 16)
         r1 = r0 + 16
         r2 = r0 + 32
@@ -314,6 +338,7 @@ if TRITON_AVAILABLE:
             v_heads,
             docs_stride_t,
             BLOCK_K,
+            dot,
         )
         k1, be1, b1, d1 = _block_rows(
             k_ptr,
@@ -328,6 +353,7 @@ if TRITON_AVAILABLE:
             v_heads,
             docs_stride_t,
             BLOCK_K,
+            dot,
         )
         k2, be2, b2, d2 = _block_rows(
             k_ptr,
@@ -342,6 +368,7 @@ if TRITON_AVAILABLE:
             v_heads,
             docs_stride_t,
             BLOCK_K,
+            dot,
         )
         k3, be3, b3, d3 = _block_rows(
             k_ptr,
@@ -356,17 +383,23 @@ if TRITON_AVAILABLE:
             v_heads,
             docs_stride_t,
             BLOCK_K,
+            dot,
         )
-        t00 = _unit_lower_inverse(_block_a(k0, be0, b0, d0, r0, k0, b0, d0, r0))
-        t11 = _unit_lower_inverse(_block_a(k1, be1, b1, d1, r1, k1, b1, d1, r1))
-        t22 = _unit_lower_inverse(_block_a(k2, be2, b2, d2, r2, k2, b2, d2, r2))
-        t33 = _unit_lower_inverse(_block_a(k3, be3, b3, d3, r3, k3, b3, d3, r3))
-        a10 = _block_a(k1, be1, b1, d1, r1, k0, b0, d0, r0)
-        a20 = _block_a(k2, be2, b2, d2, r2, k0, b0, d0, r0)
-        a21 = _block_a(k2, be2, b2, d2, r2, k1, b1, d1, r1)
-        a30 = _block_a(k3, be3, b3, d3, r3, k0, b0, d0, r0)
-        a31 = _block_a(k3, be3, b3, d3, r3, k1, b1, d1, r1)
-        a32 = _block_a(k3, be3, b3, d3, r3, k2, b2, d2, r2)
+        # Every A block before any inverse, so the key tiles are dead during the solve.
+        a00 = _block_a(k0, be0, b0, d0, r0, k0, b0, d0, r0, dot)
+        a11 = _block_a(k1, be1, b1, d1, r1, k1, b1, d1, r1, dot)
+        a22 = _block_a(k2, be2, b2, d2, r2, k2, b2, d2, r2, dot)
+        a33 = _block_a(k3, be3, b3, d3, r3, k3, b3, d3, r3, dot)
+        a10 = _block_a(k1, be1, b1, d1, r1, k0, b0, d0, r0, dot)
+        a20 = _block_a(k2, be2, b2, d2, r2, k0, b0, d0, r0, dot)
+        a21 = _block_a(k2, be2, b2, d2, r2, k1, b1, d1, r1, dot)
+        a30 = _block_a(k3, be3, b3, d3, r3, k0, b0, d0, r0, dot)
+        a31 = _block_a(k3, be3, b3, d3, r3, k1, b1, d1, r1, dot)
+        a32 = _block_a(k3, be3, b3, d3, r3, k2, b2, d2, r2, dot)
+        t00 = _unit_lower_inverse(a00)
+        t11 = _unit_lower_inverse(a11)
+        t22 = _unit_lower_inverse(a22)
+        t33 = _unit_lower_inverse(a33)
         t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
         t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
         t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision="ieee"), input_precision="ieee")
@@ -466,6 +499,7 @@ if TRITON_AVAILABLE:
             other=0.0,
         ).to(tl.float32)
         b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
+        dot = t_ptr.dtype.element_ty
         t = tl.load(
             t_ptr + token_head[:, None] * CHUNK + local[None, :],
             mask=valid[:, None] & (local[None, :] <= local[:, None]),
@@ -478,21 +512,21 @@ if TRITON_AVAILABLE:
         ).to(tl.float32)
         tl.store(
             u_ptr + token_head[:, None] * v_dim + v_cols[None, :],
-            tl.dot(t, v * beta[:, None], input_precision="ieee"),
+            _mma(t, v * beta[:, None], dot),
             mask=v_mask,
         )
         k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
         k_scale = beta * tl.where(carry, tl.exp(b), 0.0)
         tl.store(
             w_ptr + token_head[:, None] * k_dim + dims[None, :],
-            tl.dot(t, k * k_scale[:, None], input_precision="ieee"),
+            _mma(t, k * k_scale[:, None], dot).to(dot),
             mask=k_mask,
         )
         q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0)
         same = (doc[:, None] == doc[None, :]) & (local[:, None] >= local[None, :])
         decay = tl.exp(tl.where(same, b[:, None] - b[None, :], 0.0))
-        aqk = tl.where(same, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
-        tl.store(aqk_ptr + token_head[:, None] * CHUNK + local[None, :], aqk, mask=valid[:, None])
+        aqk = tl.where(same, _mma(q, tl.trans(k), dot) * decay, 0.0)
+        tl.store(aqk_ptr + token_head[:, None] * CHUNK + local[None, :], aqk.to(dot), mask=valid[:, None])
 
     @triton.jit
     def _chunk_scan_fwd_kernel(
@@ -533,6 +567,7 @@ if TRITON_AVAILABLE:
         v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
         local = tl.arange(0, CHUNK)
         docs_ptr += batch * docs_stride_b
+        dot = w_ptr.dtype.element_ty
         state_offsets = dims[:, None] * v_dim + v_cols[None, :]
         state_mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
         state_size = k_dim * v_dim
@@ -543,6 +578,12 @@ if TRITON_AVAILABLE:
         else:
             s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         n_chunks = tl.cdiv(seq, CHUNK)
+        # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
+        k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
+        v_tile = local[:, None] * (v_heads * v_dim) + v_cols[None, :]
+        qk_tile = local[:, None] * (k_heads * k_dim) + dims[None, :]
+        aqk_tile = local[:, None] * (v_heads * CHUNK) + local[None, :]
+        qk_base = batch * seq * (k_heads * k_dim) + (head // GROUP) * k_dim
         for n in range(n_chunks):
             start = n * CHUNK
             rows = start + local
@@ -550,8 +591,8 @@ if TRITON_AVAILABLE:
             _, carry, in_last, last, last_carries = _chunk_docs(
                 docs_ptr, rows, start, seq, docs_stride_t, CHUNK
             )
-            token_head = (batch * seq + rows) * v_heads + head
-            b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
+            first = (batch * seq + start) * v_heads + head
+            b = tl.load(b_ptr + first + local * v_heads, mask=valid, other=0.0)
             b_last = tl.load(b_ptr + (batch * seq + last) * v_heads + head)
             if STORE_STATES:
                 tl.store(
@@ -561,26 +602,20 @@ if TRITON_AVAILABLE:
                 )
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
             v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
-            qk_offsets = (
-                (batch * seq + rows[:, None]) * (k_heads * k_dim) + (head // GROUP) * k_dim + dims[None, :]
-            )
-            w = tl.load(w_ptr + token_head[:, None] * k_dim + dims[None, :], mask=k_mask, other=0.0)
-            v_offsets = token_head[:, None] * v_dim + v_cols[None, :]
-            delta = tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0) - tl.dot(w, s, input_precision="ieee")
+            qk_at = qk_base + start * (k_heads * k_dim) + qk_tile
+            w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
+            v_at = first * v_dim + v_tile
+            delta = tl.load(u_ptr + v_at, mask=v_mask, other=0.0) - _mma(w, s, dot)
             if STORE_STATES:
-                tl.store(delta_ptr + v_offsets, delta, mask=v_mask)
-            q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0)
+                tl.store(delta_ptr + v_at, delta.to(delta_ptr.dtype.element_ty), mask=v_mask)
+            q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
             q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
-            aqk = tl.load(
-                aqk_ptr + token_head[:, None] * CHUNK + local[None, :], mask=valid[:, None], other=0.0
-            )
-            o = tl.dot(q, s, input_precision="ieee") + tl.dot(aqk, delta, input_precision="ieee")
-            tl.store(o_ptr + v_offsets, o.to(o_ptr.dtype.element_ty), mask=v_mask)
-            k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
+            aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
+            o = _mma(q, s, dot) + _mma(aqk, delta, dot)
+            tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+            k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
             k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
-            s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + tl.dot(
-                tl.trans(k), delta, input_precision="ieee"
-            )
+            s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + _mma(tl.trans(k), delta, dot)
         if STORE_FINAL:
             tl.store(ht_ptr + (batch * v_heads + head) * state_size + state_offsets, s, mask=state_mask)
 
@@ -622,7 +657,8 @@ if TRITON_AVAILABLE:
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32. Per chunk it writes
         d delta (its own v columns) and this Dv block's share of dq, dk, dW and db, which the
-        launcher sums over the blocks (the intra-chunk terms come later, in _chunk_bwd_intra_kernel)."""
+        launcher sums over the blocks (the intra-chunk terms come later, in _chunk_bwd_intra_kernel).
+        dk is formed as dk^T = dS delta^T, dS untransposed (see the NOTE on the Hopper miscompile)."""
         v_block = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
@@ -630,6 +666,7 @@ if TRITON_AVAILABLE:
         v_cols = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
         local = tl.arange(0, CHUNK)
         docs_ptr += batch * docs_stride_b
+        dot = w_ptr.dtype.element_ty
         state_offsets = dims[:, None] * v_dim + v_cols[None, :]
         state_mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
         state_size = k_dim * v_dim
@@ -641,6 +678,14 @@ if TRITON_AVAILABLE:
             ds = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         partial = v_block.to(tl.int64) * batches * seq
         n_chunks = tl.cdiv(seq, CHUNK)
+        # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
+        k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
+        k_tile_t = local[None, :] * (v_heads * k_dim) + dims[:, None]
+        v_tile = local[:, None] * (v_heads * v_dim) + v_cols[None, :]
+        qk_tile = local[:, None] * (k_heads * k_dim) + dims[None, :]
+        aqk_tile = local[:, None] * (v_heads * CHUNK) + local[None, :]
+        do_tile = local[:, None] * do_stride_t + v_cols[None, :]
+        qk_base = batch * seq * (k_heads * k_dim) + (head // GROUP) * k_dim
         for i in range(n_chunks):
             n = n_chunks - 1 - i
             start = n * CHUNK
@@ -649,62 +694,46 @@ if TRITON_AVAILABLE:
             _, carry, in_last, last, last_carries = _chunk_docs(
                 docs_ptr, rows, start, seq, docs_stride_t, CHUNK
             )
-            token_head = (batch * seq + rows) * v_heads + head
-            b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
+            first = (batch * seq + start) * v_heads + head
+            b = tl.load(b_ptr + first + local * v_heads, mask=valid, other=0.0)
             b_last = tl.load(b_ptr + (batch * seq + last) * v_heads + head)
             read_scale = tl.where(carry, tl.exp(b), 0.0)
             write_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)
             decay = tl.where(last_carries, tl.exp(b_last), 0.0)
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
             v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
-            qk_offsets = (
-                (batch * seq + rows[:, None]) * (k_heads * k_dim) + (head // GROUP) * k_dim + dims[None, :]
-            )
-            v_offsets = token_head[:, None] * v_dim + v_cols[None, :]
+            qk_at = qk_base + start * (k_heads * k_dim) + qk_tile
+            v_at = first * v_dim + v_tile
             s0 = tl.load(
                 h_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
                 mask=state_mask,
                 other=0.0,
             )
-            do = tl.load(
-                do_ptr
-                + batch * do_stride_b
-                + rows[:, None] * do_stride_t
-                + head * do_stride_h
-                + v_cols[None, :],
-                mask=v_mask,
-                other=0.0,
-            ).to(tl.float32)
-            delta = tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)
-            aqk = tl.load(
-                aqk_ptr + token_head[:, None] * CHUNK + local[None, :], mask=valid[:, None], other=0.0
-            )
-            k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
-            ddelta = tl.dot(tl.trans(aqk), do, input_precision="ieee") + tl.dot(
-                k * write_scale[:, None], ds, input_precision="ieee"
-            )
-            tl.store(ddelta_ptr + v_offsets, ddelta, mask=v_mask)
-            q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0)
-            dq = tl.dot(do, tl.trans(s0), input_precision="ieee") * read_scale[:, None]
-            dk = tl.dot(delta, tl.trans(ds), input_precision="ieee") * write_scale[:, None]
-            dk_terms = tl.sum(dk * k, axis=1)
+            do_at = batch * do_stride_b + start * do_stride_t + head * do_stride_h + do_tile
+            do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0).to(tl.float32)
+            delta = tl.load(delta_ptr + v_at, mask=v_mask, other=0.0)
+            aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
+            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k * write_scale[:, None], ds, dot)
+            tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
+            q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
+            dq = _mma(do, tl.trans(s0), dot) * read_scale[:, None]
+            dk_t = _mma(ds, tl.trans(delta), dot) * write_scale[None, :]
+            dk_terms = tl.sum(dk_t * tl.trans(k), axis=0)
             at_last = local == last - start
             db = tl.sum(dq * q, axis=1) - dk_terms
             db += tl.where(
                 at_last, tl.sum(dk_terms, axis=0) + decay * tl.sum(tl.sum(s0 * ds, axis=1), axis=0), 0.0
             )
-            partial_offsets = (partial * v_heads + token_head)[:, None] * k_dim + dims[None, :]
-            tl.store(dq_ptr + partial_offsets, dq, mask=k_mask)
-            tl.store(dk_ptr + partial_offsets, dk, mask=k_mask)
-            w = tl.load(w_ptr + token_head[:, None] * k_dim + dims[None, :], mask=k_mask, other=0.0)
-            tl.store(
-                dw_ptr + partial_offsets, -tl.dot(ddelta, tl.trans(s0), input_precision="ieee"), mask=k_mask
-            )
-            tl.store(db_ptr + partial * v_heads + token_head, db, mask=valid)
+            partial_first = partial * v_heads + first
+            tl.store(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask)
+            dk_mask = (dims < k_dim)[:, None] & valid[None, :]
+            tl.store(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask)
+            w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
+            tl.store(dw_ptr + partial_first * k_dim + k_tile, -_mma(ddelta, tl.trans(s0), dot), mask=k_mask)
+            tl.store(db_ptr + partial_first + local * v_heads, db, mask=valid)
             ds = (
-                ds * decay
-                + tl.dot(tl.trans(q * read_scale[:, None]), do, input_precision="ieee")
-                - tl.dot(tl.trans(w), ddelta, input_precision="ieee")
+                ds * decay + _mma(tl.trans(q * read_scale[:, None]), do, dot) - _mma(tl.trans(w), ddelta, dot)
             )
         if STORE_INITIAL_GRAD:
             tl.store(dh0_ptr + (batch * v_heads + head) * state_size + state_offsets, ds, mask=state_mask)
@@ -753,7 +782,8 @@ if TRITON_AVAILABLE:
         """Per chunk and v-head, back through what _chunk_wu_kernel and _chunk_solve_kernel built:
         the output's Aqk, U = T diag(beta) V, W = T diag(beta carry exp(b)) K, and T = (I + A)^-1
         (dA = -T^T (dU U^T + dW W^T) on A's strictly lower same-document support). dq, dk and db
-        arrive holding the scan's terms and leave complete."""
+        arrive holding the scan's terms and leave complete. The transposed dqk^T and dA^T that dk
+        needs are recomputed from loaded tiles (see the NOTE on the Hopper miscompile)."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         start = tl.program_id(0) * CHUNK
@@ -780,26 +810,27 @@ if TRITON_AVAILABLE:
         ).to(tl.float32)
         b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
         read_scale = tl.where(carry, tl.exp(b), 0.0)
+        dot = t_ptr.dtype.element_ty
         same = (doc[:, None] == doc[None, :]) & (local[:, None] >= local[None, :]) & valid[:, None]
+        same_t = (doc[:, None] == doc[None, :]) & (local[:, None] <= local[None, :]) & valid[None, :]
         decay = tl.where(same, tl.exp(tl.where(same, b[:, None] - b[None, :], 0.0)), 0.0)
-        q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0)
-        k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
+        decay_t = tl.where(same_t, tl.exp(tl.where(same_t, b[None, :] - b[:, None], 0.0)), 0.0)
+        # Operand copies only (tiles die early, keeping the registers in bounds); dq leaves first.
+        q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0).to(dot)
+        k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0).to(dot)
         # o += Aqk delta, Aqk = (Q K^T) * decay
         do = tl.load(
             do_ptr + batch * do_stride_b + rows[:, None] * do_stride_t + head * do_stride_h + v_cols[None, :],
             mask=v_mask,
             other=0.0,
         ).to(tl.float32)
-        dqk = (
-            tl.dot(
-                do, tl.trans(tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)), input_precision="ieee"
-            )
-            * decay
-        )
-        log_terms = dqk * tl.dot(q, tl.trans(k), input_precision="ieee")
+        delta = tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)
+        dqk = _mma(do, tl.trans(delta), dot) * decay
+        log_terms = dqk * _mma(q, tl.trans(k), dot)
         db = tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
-        dq = tl.dot(dqk, k, input_precision="ieee")
-        dk = tl.dot(tl.trans(dqk), q, input_precision="ieee")
+        dq = _mma(dqk, k, dot) + tl.load(dq_ptr + k_offsets, mask=k_mask, other=0.0)
+        tl.store(dq_ptr + k_offsets, dq, mask=k_mask)
+        dk = _mma(_mma(delta, tl.trans(do), dot) * decay_t, q, dot)
         # U = T (beta V)
         t = tl.load(
             t_ptr + token_head[:, None] * CHUNK + local[None, :],
@@ -807,7 +838,7 @@ if TRITON_AVAILABLE:
             other=0.0,
         )
         du = tl.load(ddelta_ptr + v_offsets, mask=v_mask, other=0.0)
-        d_beta_v = tl.dot(tl.trans(t), du, input_precision="ieee")
+        d_beta_v = _mma(tl.trans(t), du, dot)
         v = tl.load(
             v_ptr + batch * v_stride_b + rows[:, None] * v_stride_t + head * v_stride_h + v_cols[None, :],
             mask=v_mask,
@@ -815,28 +846,34 @@ if TRITON_AVAILABLE:
         ).to(tl.float32)
         tl.store(dv_ptr + v_offsets, (d_beta_v * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=v_mask)
         dbeta = tl.sum(d_beta_v * v, axis=1)
-        dm = tl.dot(du, tl.trans(tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0)), input_precision="ieee")
+        u = tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0)
+        dm = _mma(du, tl.trans(u), dot)
+        dm_t = _mma(u, tl.trans(du), dot)
         # W = T (beta carry exp(b) K)
         dw = tl.load(dw_ptr + k_offsets, mask=k_mask, other=0.0)
-        d_scaled_k = tl.dot(tl.trans(t), dw, input_precision="ieee")
+        d_scaled_k = _mma(tl.trans(t), dw, dot)
         dk += d_scaled_k * (beta * read_scale)[:, None]
-        scale_terms = tl.sum(d_scaled_k * k, axis=1) * read_scale
+        k_exact = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
+        scale_terms = tl.sum(d_scaled_k * k_exact, axis=1) * read_scale
         dbeta += scale_terms
         db += scale_terms * beta
-        dm += tl.dot(dw, tl.trans(tl.load(w_ptr + k_offsets, mask=k_mask, other=0.0)), input_precision="ieee")
+        w = tl.load(w_ptr + k_offsets, mask=k_mask, other=0.0)
+        dm += _mma(dw, tl.trans(w), dot)
+        dm_t += _mma(w, tl.trans(dw), dot)
         # T = (I + A)^-1, A = beta_i (K K^T) * decay, strictly lower
         strict = same & (local[:, None] > local[None, :])
-        da = tl.where(strict, -tl.dot(tl.trans(t), dm, input_precision="ieee"), 0.0)
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        strict_t = same_t & (local[:, None] < local[None, :])
+        da = tl.where(strict, -_mma(tl.trans(t), dm, dot), 0.0)
+        da_t = tl.where(strict_t, -_mma(dm_t, t, dot), 0.0)
+        kk = _mma(k, tl.trans(k), dot)
         dbeta += tl.sum(da * kk * decay, axis=1)
         dkk = da * beta[:, None] * decay
-        dk += tl.dot(dkk, k, input_precision="ieee") + tl.dot(tl.trans(dkk), k, input_precision="ieee")
+        dkk_t = da_t * beta[None, :] * decay_t
+        dk += _mma(dkk, k, dot) + _mma(dkk_t, k, dot)
         log_terms = dkk * kk
         db += tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
-        dq += tl.load(dq_ptr + k_offsets, mask=k_mask, other=0.0)
         dk += tl.load(dk_ptr + k_offsets, mask=k_mask, other=0.0)
         db += tl.load(db_ptr + token_head, mask=valid, other=0.0)
-        tl.store(dq_ptr + k_offsets, dq, mask=k_mask)
         tl.store(dk_ptr + k_offsets, dk, mask=k_mask)
         tl.store(db_ptr + token_head, db, mask=valid)
         dbeta_ptrs = dbeta_ptr + (batch * seq + rows) * v_heads + head
@@ -908,8 +945,12 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 _MAX_HEAD_DIM = 256
-# The chunk kernels hold several [64, Dk] fp32 tiles at once; 8 warps keep them in registers at 128.
+# The per-chunk kernels hold several [64, Dk] fp32 tiles at once; 8 warps keep them in registers at 128.
 _WARPS = 8
+# The scans' loops: two stages prefetch the next chunk's tables while this one computes; three (the
+# default) double the buffers past Hopper's 227 KiB of shared memory per block. Four warps spill
+# the backward's registers; benchmarks.kernel_resources shows what each setting costs.
+_SCAN_STAGES = 2
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
@@ -934,6 +975,11 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _table_dtype(v: torch.Tensor) -> torch.dtype:
+    """The chunk tables' dtype, which is the tensor-core operand dtype (see TENSOR_CORE_DTYPES)."""
+    return v.dtype if v.dtype in TENSOR_CORE_DTYPES else torch.float32
+
+
 def _block(dim: int) -> int:
     """tl.dot takes tiles of 16 and more; smaller and non-power-of-two head dims are zero-padded."""
     return max(16, triton.next_power_of_2(dim))
@@ -948,10 +994,10 @@ def _block_v(v_dim: int) -> int:
 _L2NORM_ROWS = 32
 
 
-def _normalized(x: torch.Tensor, scale: float, normalize: bool) -> torch.Tensor:
+def _normalized(x: torch.Tensor, scale: float, normalize: bool, dtype: torch.dtype) -> torch.Tensor:
     batch, seq, heads, dim = x.shape
     n_rows = batch * seq * heads
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     _l2norm_fwd_kernel[(triton.cdiv(n_rows, _L2NORM_ROWS),)](
         x,
         out,
@@ -1024,7 +1070,7 @@ def _docs(doc_ids: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, store_states):
-    """The chunked forward on normalised fp32 q, k and the per-chunk cumulative log-decay b; with
+    """The chunked forward on normalised q, k (in the tables' dtype) and the per-chunk cumulative log-decay b; with
     store_states also the per-chunk entering states and corrections that backward reads."""
     batch, seq, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2:]
@@ -1033,7 +1079,8 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
     device = v.device
     block_k, block_v = _block(k_dim), _block_v(v_dim)
     per_chunk = (n_chunks, batch, v_heads)
-    t = torch.empty(batch, seq, v_heads, CHUNK, dtype=torch.float32, device=device)
+    tables = _table_dtype(v)
+    t = torch.empty(batch, seq, v_heads, CHUNK, dtype=tables, device=device)
     _chunk_solve_kernel[per_chunk](
         k,
         beta,
@@ -1053,7 +1100,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         CHUNK=CHUNK,
         BLOCK_K=block_k,
     )
-    w = torch.empty(batch, seq, v_heads, k_dim, dtype=torch.float32, device=device)
+    w = torch.empty(batch, seq, v_heads, k_dim, dtype=tables, device=device)
     u = torch.empty(batch, seq, v_heads, v_dim, dtype=torch.float32, device=device)
     aqk = torch.empty_like(t)
     _chunk_wu_kernel[per_chunk](
@@ -1097,7 +1144,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         if store_states
         else o
     )
-    delta = torch.empty_like(u) if store_states else o
+    delta = torch.empty(u.shape, dtype=tables, device=device) if store_states else o
     _chunk_scan_fwd_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
         q,
         k,
@@ -1126,15 +1173,16 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         STORE_FINAL=output_final_state,
         STORE_STATES=store_states,
         num_warps=_WARPS,
+        num_stages=_SCAN_STAGES,
     )
     saved = (t, w, u, aqk, h, delta) if store_states else None
     return o, final if output_final_state else None, saved
 
 
-def _prepare(q, k, g, docs, scale, normalize_qk):
+def _prepare(q, k, v, g, docs, scale, normalize_qk):
     return (
-        _normalized(q, scale, normalize_qk),
-        _normalized(k, 1.0, normalize_qk),
+        _normalized(q, scale, normalize_qk, _table_dtype(v)),
+        _normalized(k, 1.0, normalize_qk, _table_dtype(v)),
         _chunk_cumsum(g, docs, False),
     )
 
@@ -1195,7 +1243,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     n_v_blocks = triton.cdiv(v_dim, block_v)
     device = v.device
     do = _unit_last_stride(do)
-    ddelta = torch.empty_like(u)
+    ddelta = torch.empty(u.shape, dtype=w.dtype, device=device)
     dq_part = torch.empty(n_v_blocks, batch, seq, v_heads, k_dim, dtype=torch.float32, device=device)
     dk_part, dw_part = torch.empty_like(dq_part), torch.empty_like(dq_part)
     db_part = torch.empty(n_v_blocks, batch, seq, v_heads, dtype=torch.float32, device=device)
@@ -1235,6 +1283,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
         num_warps=_WARPS,
+        num_stages=_SCAN_STAGES,
     )
     dq, dk, dw, db = dq_part.sum(0), dk_part.sum(0), dw_part.sum(0), db_part.sum(0)
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
@@ -1294,7 +1343,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state):
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-        q_hat, k_hat, b = _prepare(q, k, g, docs, scale, normalize_qk)
+        q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
         o, final, _ = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False)
         ctx.save_for_backward(q, k, v, g, beta, docs, initial_state)
         ctx.scale, ctx.normalize_qk = scale, normalize_qk
@@ -1303,7 +1352,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, docs, initial_state = ctx.saved_tensors
-        q_hat, k_hat, b = _prepare(q, k, g, docs, ctx.scale, ctx.normalize_qk)
+        q_hat, k_hat, b = _prepare(q, k, v, g, docs, ctx.scale, ctx.normalize_qk)
         _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, False, True)
         dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
             q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal

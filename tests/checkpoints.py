@@ -372,12 +372,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **extra}
 
 
-def write_run(folder: Path, rows: int = 48, **config) -> Path:
-    """A tiny Qwen3 with the demo tokenizer, the first `rows` demo examples, and a config for them."""
+def write_run(folder: Path, rows: int = 48, model_writer=None, **config) -> Path:
+    """A tiny model (a Qwen3 with the demo tokenizer unless `model_writer(folder)` writes another), the
+    first `rows` demo examples, and a config for them."""
     import yaml
 
     folder = Path(folder)
-    model = add_demo_tokenizer(write_qwen3(folder / "model", vocab_size=1024))
+    if model_writer is None:
+        model = add_demo_tokenizer(write_qwen3(folder / "model", vocab_size=1024))
+    else:
+        model = model_writer(folder / "model")
     data = folder / "train.jsonl"
     data.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:rows]))
     settings = {

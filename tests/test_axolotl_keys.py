@@ -57,6 +57,22 @@ def test_eval_packing_and_the_optimizer_follow_the_config(tmp_path):
     assert not run.train_plan.sample_packing and run.eval_plan.sample_packing
 
 
+@pytest.mark.parametrize(
+    ("written", "recomputed"), [("false", 0), ("False", 0), ("true", "all"), ("offload", "all")]
+)
+def test_gradient_checkpointing_as_axolotl_writes_it_reaches_the_model(tmp_path, written, recomputed):
+    """An Axolotl config's `gradient_checkpointing: false` recomputes no layer; true and offload every one."""
+    path = write_run(tmp_path)
+    path.write_text(
+        path.read_text().replace("gradient_checkpointing: false", f"gradient_checkpointing: {written}")
+    )
+    config = load_config(path)
+    run = build_run(config)
+    layers = len(run.model.layers)
+    assert config.gradient_checkpointing is (written.lower() != "false")
+    assert run.model.checkpoint_layers == (layers if recomputed == "all" else recomputed)
+
+
 def test_special_tokens_take_tokens_of_the_vocabulary(tmp_path, run_cli):
     path = write_run(tmp_path)
     default = build_run(load_config(path)).train_plan.pad_token_id

@@ -84,6 +84,42 @@ def test_sharegpt_renders_template_roles_and_trains_only_assistant_content(tok, 
     assert trained_ids == tok.encode("sun, cat<|im_end|>") + tok.encode("Lima.<|im_end|>")
 
 
+def _renamed(conversation, names):
+    return [{**m, "from": names.get(m["from"], m["from"])} for m in conversation]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [{"gpt": "chatgpt"}, {"gpt": "bing"}, {"gpt": "bard"}, {"gpt": "bot"}, {"gpt": "model", "human": "user"},
+     {"gpt": "assistant", "human": "prompter"}],
+)  # fmt: skip
+def test_the_assistant_names_of_real_sharegpt_dumps_are_the_assistant(tok, tmp_path, names):
+    example = only(load(tok, tmp_path, [{"conversations": _renamed(SHAREGPT, names)}], type="sharegpt"))
+    assert_pieces(tok, example, ASSISTANT_TRAINED)
+
+
+def test_tool_turns_under_other_names_render_as_tool(tok, tmp_path):
+    for name in ("function", "observation"):
+        conversation = [*SHAREGPT, {"from": name, "value": "42"}, {"from": "gpt", "value": "It is 42."}]
+        example = only(load(tok, tmp_path, [{"conversations": conversation}]))
+        assert "<|im_start|>tool\n42<|im_end|>" in tok.decode(example.input_ids)
+
+
+def test_a_role_no_template_knows_stops_naming_the_role_file_and_row(tok, tmp_path):
+    rows = [{"conversations": SHAREGPT}, {"conversations": _renamed(SHAREGPT, {"gpt": "narrator"})}]
+    with pytest.raises(
+        QLoraError,
+        match=r"chat\.jsonl:2: message 2: role 'narrator' is not one the chat template knows "
+        r"\(system, user, assistant, tool\); .* roles: \{assistant: \[narrator\]\}$",
+    ):
+        load(tok, tmp_path, rows, type="sharegpt")
+    # A role the config's `roles` names is the template's own, rendered as given.
+    example = only(
+        load(tok, tmp_path, rows[1:], roles={"narrator": ["narrator"]}, roles_to_train=["narrator"])
+    )
+    assert "<|im_start|>narrator\nsun, cat<|im_end|>" in tok.decode(example.input_ids)
+
+
 NO_EOS = [
     (SYSTEM + USER_1 + ASSISTANT, False), ("sun, cat", True), ("<|im_end|>\n" + USER_2 + ASSISTANT, False),
     ("Lima.", True), ("<|im_end|>\n", False),
@@ -114,6 +150,22 @@ NO_EOS = [
 def test_train_on_eos(tok, tmp_path, train_on_eos, pieces):
     example = only(load(tok, tmp_path, [{"conversations": SHAREGPT}], train_on_eos=train_on_eos))
     assert_pieces(tok, example, pieces)
+
+
+@pytest.mark.parametrize("last_role", ["user", "tool"])
+def test_train_on_eos_last_trains_the_last_turns_end_even_when_it_is_not_trained(tok, tmp_path, last_role):
+    """As Axolotl's `last`: the end-of-turn token of the conversation's last turn, whatever its role; the
+    answer before it keeps its content but not its own end-of-turn token."""
+    messages = [*CONVERSATION[1:3], {"role": last_role, "content": "Thanks."}]
+    example = only(load(tok, tmp_path, [{"messages": messages}], train_on_eos="last"))
+    assert_pieces(
+        tok,
+        example,
+        [
+            (USER_1 + ASSISTANT, False), ("sun, cat", True),
+            (f"<|im_end|>\n<|im_start|>{last_role}\nThanks.", False), ("<|im_end|>", True), ("\n", False),
+        ],
+    )  # fmt: skip
 
 
 def test_train_on_inputs_trains_every_turns_content_but_no_header(tok, tmp_path):
@@ -311,7 +363,9 @@ def data_config(tmp_path, rows, **keys):
 
 
 def test_all_rows_dropped_names_the_reasons_not_the_validation_split(tok, tmp_path):
-    wrong_roles = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yo"}]}] * 3
+    wrong_roles = [
+        {"conversations": [{"from": "system", "value": "hi"}, {"from": "human", "value": "yo"}]}
+    ] * 3
     too_long = [
         {"messages": [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "ok"}]}
     ]
@@ -321,7 +375,8 @@ def test_all_rows_dropped_names_the_reasons_not_the_validation_split(tok, tmp_pa
     message = str(error.value)
     assert "every one of the 4 rows" in message and "validation" not in message
     assert (
-        "3 rows with no turn of a trained role (roles_to_train: assistant; their roles: bot, user)" in message
+        "3 rows with no turn of a trained role (roles_to_train: assistant; their roles: system, user)"
+        in message
     )
     assert "1 rows with no trained token within sequence_len" in message
 

@@ -6,12 +6,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    load_transformers,
+    write_llama,
+    write_mistral,
+    write_qwen2,
+    write_qwen3,
+    write_qwen3_5,
+    write_run,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.export.command import export, parse_size, training_dtype
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import compute_dtype, lora_config
@@ -24,11 +34,25 @@ from qlora_cli.train.loop import train
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
-WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
-# Qwen2 (q/k/v bias, tied embeddings): some targets, rsLoRA. Qwen3 (QK-norm, untied): all targets, norms trained.
+WRITERS = {
+    "qwen2": write_qwen2,
+    "qwen3": write_qwen3,
+    "qwen3_5": lambda folder: write_qwen3_5(folder, tie=True),
+    "qwen3_5vl": lambda folder: write_qwen3_5(folder, layout="vl", mtp=True),
+    "llama": write_llama,
+    "mistral": write_mistral,
+}
+# Qwen2 (q/k/v bias, tied embeddings): some targets, rsLoRA. Qwen3 (QK-norm, untied): all targets, norms
+# trained. Qwen3.5 text (tied) and vision-language (untied, with an MTP head): every projection of both
+# layer kinds, the gated q_proj included, and every norm. Llama (llama3 RoPE) and Mistral (head_dim
+# decoupled from hidden / heads): all targets.
 CASES = {
     "qwen2": dict(lora_target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], peft_use_rslora=True),
     "qwen3-norms": dict(train_norms=True),
+    "qwen3_5-norms": dict(train_norms=True),
+    "qwen3_5vl-norms": dict(train_norms=True),
+    "llama": {},
+    "mistral": {},
 }
 STEPS = 3
 
@@ -63,6 +87,19 @@ def make_run(folder: Path, kind: str, *, writer=None, **settings) -> Path:
 def run(request, tmp_path_factory):
     kind = request.param.split("-")[0]
     return make_run(tmp_path_factory.mktemp(request.param), kind, **CASES[request.param])
+
+
+def transformers_classes(folder: Path) -> list:
+    """The transformers classes that load `folder` as a causal LM: AutoModelForCausalLM always, and
+    for a vision-language checkpoint also the class its config.json names."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    layout = read_spec(folder).layout
+    return [AutoModelForCausalLM] + ([Qwen3_5ForConditionalGeneration] if layout == "vl" else [])
+
+
+def load_as(cls, folder: Path):
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def trained_model(output_dir: Path, *, quantize: bool) -> QLoRAModel:
@@ -100,21 +137,30 @@ def test_adapter_loads_in_peft_and_matches_our_model(run, tmp_path, reference_op
     assert config["base_model_name_or_path"] == str(base) and config["revision"] is None
     ours = trained_model(run, quantize=False)
     assert (config["r"], config["lora_alpha"]) == (4, 8)
-    assert sorted(config["target_modules"]) == sorted(ours.lora.target_modules)
+    present = {name for kind in set(ours.spec.layer_types) for name in ours.spec.projection_shapes(kind)}
+    assert sorted(config["target_modules"]) == sorted(set(ours.lora.target_modules) & present)
     assert config["use_rslora"] == ours.lora.use_rslora
 
-    peft_model = PeftModel.from_pretrained(load_transformers(base), out).eval()
+    # The class whose module names the adapter's fit: the one config.json names (PEFT would only warn
+    # about keys it cannot place, and run without them).
+    cls = transformers_classes(base)[-1]
+    peft_model = PeftModel.from_pretrained(load_as(cls, base), out).eval()
     ids = tokens(ours.spec.vocab_size)
     with torch.no_grad():
         expected = ours(ids)
-        got = peft_model(ids).logits
-        plain = load_transformers(base)(ids).logits
+        got = peft_model(input_ids=ids).logits
+        plain = load_as(cls, base)(input_ids=ids).logits
     assert max_error(got, expected) < 1e-4
     assert max_error(plain, expected) > 1e-2
     if ours.lora.train_norms:
-        loaded = peft_model.get_submodule("base_model.model.model.layers.1.self_attn.k_norm").weight
-        assert torch.equal(loaded, ours.layers[1].k_norm.detach())
-        assert torch.equal(peft_model.get_submodule("base_model.model.model.norm").weight, ours.norm.detach())
+        decoder = f"base_model.model.{ours.spec.decoder_prefix}"
+        full = ours.spec.layer_types.index("full_attention")
+        loaded = peft_model.get_submodule(f"{decoder}layers.{full}.self_attn.k_norm").weight
+        assert torch.equal(loaded, ours.layers[full].k_norm.detach())
+        assert torch.equal(peft_model.get_submodule(f"{decoder}norm").weight, ours.norm.detach())
+        if ours.spec.linear_attention is not None:
+            loaded = peft_model.get_submodule(f"{decoder}layers.0.linear_attn.norm").weight
+            assert torch.equal(loaded, ours.layers[0].linear_norm.detach())
 
 
 CHAT = [  # no system turn: qwen_25 then writes its default one, which the base's template lacks
@@ -153,24 +199,60 @@ def test_exported_tokenizer_is_the_base_tokenizer_without_chat_settings(run, tmp
 
 def test_merged_original_base_matches_our_unquantized_model(run, tmp_path, reference_ops):
     out = export(run, tmp_path / "merged", merged=True, dtype="float32").out
-    merged = load_transformers(out)
     ours = trained_model(run, quantize=False)
     ids = tokens(ours.spec.vocab_size)
     with torch.no_grad():
-        assert max_error(merged(ids).logits, ours(ids)) < 1e-4
+        expected = ours(ids)
+        for cls in transformers_classes(run.parent / "model"):
+            assert max_error(load_as(cls, out)(input_ids=ids).logits, expected) < 1e-4, cls
     assert (out / "tokenizer.json").is_file() and not (out / "adapter_config.json").exists()
 
 
 def test_merged_nf4_base_matches_our_quantized_model(run, tmp_path, reference_ops):
-    nf4 = load_transformers(export(run, tmp_path / "nf4", merged=True, base="nf4", dtype="float32").out)
+    out = export(run, tmp_path / "nf4", merged=True, base="nf4", dtype="float32").out
     ours = trained_model(run, quantize=True)
     ids = tokens(ours.spec.vocab_size)
     with torch.no_grad():
-        got, expected = nf4(ids).logits, ours(ids)
+        expected = ours(ids)
         unquantized = trained_model(run, quantize=False)(ids)
-    assert max_error(got, expected) < 1e-4
+        for cls in transformers_classes(run.parent / "model"):
+            assert max_error(load_as(cls, out)(input_ids=ids).logits, expected) < 1e-4, cls
     assert max_error(unquantized, expected) > 1e-3
     assert "NF4 round trip" in (tmp_path / "nf4" / "README.md").read_text()
+
+
+def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def test_merged_model_keeps_the_checkpoints_layout(tmp_path, reference_ops):
+    """A vision-language base merges into a vision-language checkpoint: the same tensor names, the
+    vision tower and the MTP head as they were, the decoder's projections merged (every adapted one:
+    the gated q_proj and the linear-attention ones too), and its config."""
+    output_dir = make_run(tmp_path, "qwen3_5vl")
+    base = output_dir.parent / "model"
+    out = export(output_dir, tmp_path / "merged", merged=True, dtype="float32").out
+    before, after = stored_tensors(base), stored_tensors(out)
+    assert sorted(after) == sorted(before)
+    passed = [name for name in before if name.startswith(("model.visual.", "mtp."))]
+    assert any(name.startswith("mtp.") for name in passed) and len(passed) > 4
+    for name in passed:
+        assert torch.equal(after[name], before[name]), name
+    adapter = load_file(output_dir / f"checkpoint-{STEPS}" / "adapter_model.safetensors")
+    scaling = lora_config(read_checkpoint_config(output_dir / f"checkpoint-{STEPS}")).scaling
+    merged = [name for name in adapter if name.endswith(".lora_A.weight")]
+    assert {name.split(".")[-3] for name in merged} == set(ALL_PROJECTIONS)
+    for name in merged:
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        delta = scaling * adapter[name.replace("lora_A", "lora_B")] @ adapter[name]
+        assert max_error(after[f"{module}.weight"], before[f"{module}.weight"] + delta) < 1e-6, module
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    card = (export(output_dir, tmp_path / "adapter").out / "README.md").read_text()
+    assert "PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(" in card
 
 
 @pytest.mark.parametrize("bf16", [True, False])

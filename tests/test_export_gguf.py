@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("reference_ops")
 VOCAB = 1024  # the demo tokenizer's
 TOLERANCES = {"bf16": 5e-2, "f16": 2e-2, "q8_0": 0.2}
 WRITERS = {
-    "qwen2": lambda folder: write_qwen2(folder, vocab_size=VOCAB),
+    "qwen2": lambda folder: write_qwen2(folder, vocab_size=VOCAB, rms_norm_eps=1e-5),
     "qwen3": lambda folder: write_qwen3(folder, vocab_size=VOCAB, head_dim=128),
 }
 CHAT = [
@@ -63,6 +63,7 @@ REQUIRED_KEYS = [
     "{arch}.attention.key_length",
     "{arch}.attention.value_length",
     "{arch}.rope.freq_base",
+    "{arch}.rope.dimension_count",
     "{arch}.attention.layer_norm_rms_epsilon",
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -144,11 +145,25 @@ def test_gguf_holds_what_llama_cpp_needs(exports, gguf_type):
     assert fields["general.architecture"] == arch
     missing = [key.format(arch=arch) for key in REQUIRED_KEYS if key.format(arch=arch) not in fields]
     assert not missing
-    assert fields[f"{arch}.attention.key_length"] == spec.head_dim
-    assert fields[f"{arch}.block_count"] == spec.num_layers
-    assert fields[f"{arch}.attention.head_count_kv"] == spec.num_kv_heads
-    assert fields[f"{arch}.feed_forward_length"] == spec.intermediate_size
-    assert fields[f"{arch}.rope.freq_base"] == pytest.approx(spec.rope_theta)
+    # The tiny checkpoints' values (tests/checkpoints.py TINY, WRITERS above): qwen2's head_dim is
+    # 64 / 4 heads, qwen3's is set apart from it.
+    head_dim, theta, eps = {"qwen2": (16, 1e4, 1e-5), "qwen3": (128, 1e6, 1e-6)}[arch]
+    assert {key.removeprefix(f"{arch}."): fields[key] for key in fields if key.startswith(f"{arch}.")} == {
+        "vocab_size": VOCAB,
+        "context_length": 256,
+        "embedding_length": 64,
+        "block_count": 2,
+        "feed_forward_length": 96,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.dimension_count": head_dim,
+        "rope.freq_base": pytest.approx(theta, rel=1e-7),  # stored as f32: 2**-24 relative
+        "attention.layer_norm_rms_epsilon": pytest.approx(eps, rel=1e-7),
+    }
+    assert fields["tokenizer.ggml.padding_token_id"] == 1021  # <|endoftext|>, the demo's pad_token
+    assert "tokenizer.ggml.bos_token_id" not in fields  # the demo tokenizer has none
     assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
     assert fields["tokenizer.ggml.add_bos_token"] is False
     assert fields["tokenizer.ggml.eos_token_id"] == 1023  # <|im_end|>

@@ -255,6 +255,47 @@ def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
         assert sampler(logits).tolist() == [1, 0]
 
 
+def _kept(probs, temperature=1.0, **sampling):
+    """The tokens a sampler ever draws in 4000 rows of these probabilities: every kept token has a
+    renormalised probability of at least 1/16 here, so 4000 draws miss one with odds below 1e-100."""
+    logits = torch.tensor(probs).log().repeat(4000, 1)
+    return set(Sampler(Sampling(temperature=temperature, **sampling), torch.device("cpu"))(logits).tolist())
+
+
+HALVING = [0.5, 0.25, 0.125, 0.0625, 0.0625]
+
+
+@pytest.mark.parametrize(
+    ("probs", "sampling", "kept"),
+    [
+        (HALVING, {}, {0, 1, 2, 3, 4}),
+        # top-p keeps the fewest likeliest tokens that reach p, the one that crosses it included
+        (HALVING, {"top_p": 0.74}, {0, 1}),
+        (HALVING, {"top_p": 0.76}, {0, 1, 2}),
+        (HALVING, {"top_p": 0.4}, {0}),
+        ([0.3, 0.3, 0.3, 0.1], {"top_p": 0.65}, {0, 1, 2}),
+        # top-k keeps the k likeliest and every token tied with the k-th, as transformers does
+        (HALVING, {"top_k": 2}, {0, 1}),
+        ([0.4, 0.2, 0.2, 0.1, 0.1], {"top_k": 2}, {0, 1, 2}),
+        ([0.4, 0.2, 0.2, 0.1, 0.1], {"top_k": 1}, {0}),
+        # top-p reads the probabilities top-k leaves: 4/7 alone reaches 0.5, 0.4 alone would not
+        ([0.4, 0.3, 0.2, 0.1], {"top_k": 2, "top_p": 0.5}, {0}),
+        ([0.4, 0.3, 0.2, 0.1], {"top_p": 0.5}, {0, 1}),
+    ],
+)
+def test_top_p_and_top_k_keep_exactly_their_tokens(probs, sampling, kept):
+    assert _kept(probs, **sampling) == kept
+
+
+def test_top_p_after_temperature_and_between_tied_tokens():
+    """Temperature 2 flattens 1/2, 1/4 to 0.37, 0.26 (square roots, renormalised), so 0.45 needs two
+    tokens; three tied at 0.3 under p 0.5 keep two of them, whichever sort puts first."""
+    assert _kept(HALVING[:3] + [0.125], top_p=0.45) == {0}
+    assert _kept(HALVING[:3] + [0.125], temperature=2.0, top_p=0.45) == {0, 1}
+    tied = _kept([0.3, 0.3, 0.3, 0.1], top_p=0.5)
+    assert len(tied) == 2 and tied < {0, 1, 2}
+
+
 def test_prompt_file_takes_prompts_and_chats(run, tmp_path, run_cli):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
     file = tmp_path / "prompts.jsonl"

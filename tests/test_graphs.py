@@ -7,11 +7,13 @@ import pytest
 import torch
 from checkpoints import write_run
 
+import qlora_cli.model.lora as model_module
 from qlora_cli.config.loading import load_config
 from qlora_cli.data.examples import BatchPlan
 from qlora_cli.train.graphs import GraphedLoss, cuda_graph_blocker
 from qlora_cli.train.loop import train
 from qlora_cli.train.run import build_run
+from qlora_cli.train.step import dropout_seed
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -145,3 +147,46 @@ def test_a_padded_batch_trains_as_the_short_one(tmp_path, reference_ops):
         losses = [run.model.loss(b.input_ids, b.labels, b.position_ids, b.doc_ids) for b in (short, padded)]
     assert float(losses[1][0]) == pytest.approx(float(losses[0][0]), rel=1e-6)
     assert int(losses[1][1]) == int(losses[0][1]) == short.n_tokens
+
+
+def test_a_padded_batch_draws_the_short_ones_dropout_masks(tmp_path, monkeypatch, reference_ops):
+    """With LoRA dropout, the rows a graph's fixed shape adds (padded_to, as train_step pads for a
+    graph) leave every real token's masks as they were: each call site, in forward and in the
+    recompute in backward, drops the same elements of the real rows, so loss and gradients agree.
+    An element's mask is hashed from its flat index, which rows appended after the real ones do
+    not move."""
+    settings = dict(sample_packing=True, micro_batch_size=3, lora_dropout=0.3, gradient_checkpointing=True)
+    config = load_config(write_run(tmp_path, **settings))
+    run = build_run(config)
+    plan: BatchPlan = run.train_plan
+    short = plan.batch(0, plan.num_batches - 1)
+    rows = short.input_ids.shape[0]
+    padded = short.padded_to(3)
+    assert rows < 3 and padded.input_ids.shape[0] == 3
+    real = model_module.seeded_dropout
+    drawn: list[list[tuple[int, torch.Tensor]]] = []
+
+    def recording(x, p, seed, salt, offset=0):
+        out = real(x, p, seed, salt, offset)
+        drawn[-1].append((salt, out == 0))
+        return out
+
+    monkeypatch.setattr(model_module, "seeded_dropout", recording)
+    params = run.model.trainable_parameters()
+    results = []
+    for batch in (short, padded):
+        drawn.append([])
+        for p in params:
+            p.grad = None
+        run.model.set_dropout_seed(dropout_seed(config.seed, plan.num_batches - 1))
+        loss, _ = run.model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
+        loss.backward()
+        results.append((float(loss.detach()), [p.grad.clone() for p in params]))
+    assert len(drawn[0]) == len(drawn[1]) == 2 * len(model_module.GROUPS) * len(run.model.layers)
+    for (salt, mask), (padded_salt, padded_mask) in zip(*drawn, strict=True):
+        assert salt == padded_salt and torch.equal(padded_mask[:rows], mask), f"salt {salt}"
+    (short_loss, short_grads), (padded_loss, padded_grads) = results
+    assert padded_loss == pytest.approx(short_loss, rel=1e-6)
+    # The added rows contribute only zero terms; the sums over tokens just run in another order.
+    for a, b in zip(short_grads, padded_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

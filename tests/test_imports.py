@@ -19,7 +19,7 @@ LAYERS = {
     "qlora_cli.sources": {"qlora_cli.core", "qlora_cli.config"},
     "qlora_cli.data": {"qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
     "qlora_cli.model": {"qlora_kernels", "qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
-    "qlora_cli.rundir": {"qlora_cli.core", "qlora_cli.config", "qlora_cli.sources"},
+    "qlora_cli.rundir": {"qlora_cli.core", "qlora_cli.config", "qlora_cli.sources", "qlora_cli.model"},
     "qlora_cli.train": {
         "qlora_kernels",
         "qlora_cli.core",

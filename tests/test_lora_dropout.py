@@ -11,6 +11,7 @@ import qlora_cli.model.lora as lora_module
 from qlora_cli.config.loading import load_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.train.graphs import GraphedLoss
+from qlora_cli.train.loop import train
 from qlora_cli.train.run import build_run
 from qlora_cli.train.step import dropout_seed, train_step
 
@@ -82,6 +83,37 @@ def test_masks_differ_between_micro_batches_and_recompute_repeats_them(tmp_path,
     for salt in salts:
         per_seed = [drawn[(seed, salt)][0] for seed in sorted(seeds)]
         assert all(not torch.equal(a, b) for i, a in enumerate(per_seed) for b in per_seed[i + 1 :])
+
+
+def test_an_evaluation_leaves_the_model_training_so_the_next_steps_draw_masks(
+    tmp_path, monkeypatch, reference_ops
+):
+    """An evaluation after every step: it draws no mask itself, the model is back in train mode after
+    it, and each of the three steps draws its micro-batch's mask at every call site."""
+    import qlora_cli.train.loop as loop_module
+
+    config = load_config(write_run(tmp_path, lora_dropout=0.3, val_set_size=8, eval_steps=1, max_steps=3))
+    drawn: list[int] = []
+    after_eval: list[bool] = []
+    real_dropout, real_evaluate = lora_module.seeded_dropout, loop_module.evaluate
+
+    def recording(x, p, seed, salt, offset=0):
+        drawn.append(int(seed))
+        return real_dropout(x, p, seed, salt, offset)
+
+    def evaluate(run):
+        before = len(drawn)
+        result = real_evaluate(run)
+        assert len(drawn) == before
+        after_eval.append(run.model.training)
+        return result
+
+    monkeypatch.setattr(lora_module, "seeded_dropout", recording)
+    monkeypatch.setattr(loop_module, "evaluate", evaluate)
+    assert train(config).step == 3
+    assert after_eval == [True, True, True]
+    sites = len(drawn) // 3
+    assert sites > 0 and drawn == [seed for i in range(3) for seed in [dropout_seed(config.seed, i)] * sites]
 
 
 def test_training_with_dropout_keeps_cuda_graphs_on_the_table(tmp_path):

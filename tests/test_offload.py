@@ -7,6 +7,7 @@ from checkpoints import write_qwen2, write_qwen3
 
 import qlora_cli.model.sliced_mlp as chunked_mlp
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.offload import HostOffloader
 from qlora_cli.model.sliced_mlp import slice_tokens
 
 WRITERS = {"qwen2": write_qwen2, "qwen3": write_qwen3}
@@ -66,6 +67,32 @@ def test_offloaded_layers_on_the_triton_path(checkpoint):
         _step(checkpoint, lora, checkpoint_layers=2, offload_activations=True),
         _step(checkpoint, lora, checkpoint_layers=0),
     )
+
+
+def _storage(t: torch.Tensor) -> range:
+    storage = t.untyped_storage()
+    return range(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop
+
+
+def test_layers_never_share_a_host_buffer_and_neighbours_never_share_a_landing_buffer():
+    """Every layer's input waits in its own host buffer; on the way back, layer i lands while layer
+    i + 1's landed input is still in use, so neighbours land in different buffers. A second step with
+    smaller inputs reuses the buffers and keeps them apart."""
+    offloader = HostOffloader(torch.device("cpu"), 4)
+    for tokens in (5, 3):
+        inputs = [torch.randn(tokens, 8 + layer) for layer in range(4)]
+        for layer, x in enumerate(inputs):
+            offloader.save(layer, x)
+        hosts = [_storage(buffer) for buffer in offloader.host]
+        assert all(not _overlap(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :])
+        landed = [_storage(offloader._landing_buffer(layer)) for layer in range(4)]
+        assert all(not _overlap(a, b) for a, b in zip(landed, landed[1:], strict=False))
+        for layer in reversed(range(4)):
+            assert torch.equal(offloader.load(layer), inputs[layer])
 
 
 def test_slices_cover_a_long_row_in_equal_parts():

@@ -27,9 +27,11 @@ from qlora_cli.rundir.checkpoint import (
     list_checkpoints,
     read_checkpoint_config,
     read_trainer_state,
+    run_checkpoints,
     save_checkpoint,
 )
-from qlora_cli.rundir.folder import RUN_FILE, latest_checkpoint, run_lock, space_needed
+from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owner_run, run_lock, space_needed
+from qlora_cli.rundir.names import RUN_FILE
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 
@@ -98,6 +100,25 @@ def test_overwrite_removes_the_old_runs_files_first(tmp_path, run_cli, how):
     assert code == 0 and json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
+def test_resume_of_a_run_started_with_overwrite_keeps_its_checkpoints(tmp_path, run_cli):
+    """overwrite_output_dir is saved in the run's config; resuming that run must not delete what it wrote."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2, overwrite_output_dir=True)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    assert read_checkpoint_config(out / "checkpoint-4").overwrite_output_dir is True
+    before = {p: p.read_bytes() for p in out.glob("checkpoint-*/*") if p.is_file()}
+    assert run_cli("resume", out, "--set", "max_steps=6")[0] == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert {p: p.read_bytes() for p in before} == before
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [
+        *range(1, 7)
+    ]
+
+
 def _tiny_model(tmp_path):
     config = load_config(write_run(tmp_path / "run"))
     model = QLoRAModel(read_spec(Path(config.base_model)), LoRAConfig(r=4, alpha=8))
@@ -118,6 +139,18 @@ def test_rotation_resume_and_export_never_take_another_runs_checkpoints(tmp_path
     assert latest_checkpoint(out) == out / "checkpoint-6"
     (out / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
     assert latest_checkpoint(out) == out / "checkpoint-12"
+
+
+def test_a_checkpoint_whose_state_cannot_be_read_belongs_to_no_run(tmp_path):
+    """Ownership, rotation and the foreign-checkpoint check all skip it: nothing says whose it is."""
+    config, model, optimizer = _tiny_model(tmp_path)
+    out = tmp_path / "out"
+    for step in (2, 4):
+        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "mine"}, config)
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{not json")
+    assert owner_run(out) == "mine"
+    assert run_checkpoints(out, "mine") == [(2, out / "checkpoint-2")]
+    assert foreign_checkpoints(out, "mine") == []
 
 
 def test_a_second_process_cannot_train_into_a_folder_in_use(tmp_path):
@@ -348,6 +381,28 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
     assert (out / "superseded-checkpoint-4" / "adapter_model.safetensors").stat().st_size == 100
     assert load_file(out / "checkpoint-6" / "adapter_model.safetensors")
     assert read_trainer_state(out / "checkpoint-6")["step"] == 6
+
+
+def test_resume_export_and_generate_read_a_damaged_adapter_alike(tmp_path, run_cli):
+    """Given the checkpoint folder itself, all three refuse a missing or a truncated adapter with the
+    same line, naming the checkpoint and the file."""
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    checkpoint = tmp_path / "run" / "out" / "checkpoint-2"
+    adapter = checkpoint / "adapter_model.safetensors"
+    saved = adapter.read_bytes()
+    commands = [
+        ("resume", checkpoint.parent, "--checkpoint", checkpoint),
+        ("export", checkpoint, "--out", tmp_path / "x"),
+        ("generate", checkpoint, "--prompt", "hi"),
+    ]
+    for damage, expected in [
+        (adapter.unlink, f"checkpoint {checkpoint} is incomplete: adapter_model.safetensors is missing"),
+        (lambda: adapter.write_bytes(saved[:100]), f"{adapter} is corrupt: "),
+    ]:
+        damage()
+        for command in commands:
+            assert error_line(run_cli(*command)).startswith(f"error: {expected}"), command
 
 
 # ----- signals: the first saves, the second asks for patience, the third aborts -----

@@ -117,6 +117,36 @@ def test_add_rms_norm_without_residual_passes_input_through():
     _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_eps_where_the_mean_square_is_near_it_and_on_an_all_zero_row(with_residual):
+    """Rows whose mean square is about eps, far below it, and zero, where eps sets the scale: an eps
+    dropped, squared or added outside the square root moves the output or the gradient by 30 % or
+    more (a zero row's gradient is dy * w / sqrt(eps)). fp32 sums of 48 terms stay within 1e-5 of
+    the largest value."""
+    generator = torch.Generator().manual_seed(5)
+    scale = torch.tensor([[1.0], [0.3], [1e-3], [0.0]]) * EPS**0.5
+    x = (torch.randn(4, 48, generator=generator) * scale).requires_grad_(True)
+    residual = (torch.randn(4, 48, generator=generator) * scale).requires_grad_(True)
+    with torch.no_grad():
+        residual[3] = -x[3]  # x + residual is zero there too
+    weight = _weight(48, True, generator)
+    dy, dsummed = torch.randn(2, 4, 48, generator=generator)
+    if with_residual:
+        leaves, out_grads = [x, residual, weight], (dy, dsummed)
+        out, grads = _outputs_and_grads(lambda: add_rms_norm(x, residual, weight, EPS), leaves, out_grads)
+        ref_out, ref_grads = _outputs_and_grads(
+            lambda: add_rms_norm_reference(x, residual, weight, EPS), leaves, out_grads
+        )
+    else:
+        leaves, out_grads = [x, weight], (dy,)
+        out, grads = _outputs_and_grads(lambda: rms_norm(x, weight, EPS), leaves, out_grads)
+        ref_out, ref_grads = _outputs_and_grads(lambda: rms_norm_reference(x, weight, EPS), leaves, out_grads)
+    assert torch.equal(out[0][3], torch.zeros(48))
+    for actual, expected in zip([*out, *grads], [*ref_out, *ref_grads], strict=True):
+        assert torch.isfinite(actual).all()
+        _assert_close_to_max(actual, expected, 1e-5)
+
+
 def test_reference_path_without_interpreter(reference_ops):
     generator = torch.Generator().manual_seed(3)
     x, residual = torch.randn(2, 3, 48, generator=generator)

@@ -227,6 +227,45 @@ def test_mlflow_file_store_reads_back_and_resume_continues_the_run(tmp_path, mlf
     assert history("train/loss") == [(1, 2.5), (2, 2.0), (3, 1.5)]
 
 
+def test_a_metric_of_zero_reaches_every_tracker(tmp_path, offline_wandb, mlflow_store):
+    """Zero is a value (lr at warmup's start, a grad_norm of frozen weights, an idle rank's memory),
+    not a missing one: W&B, TensorBoard and MLflow each get it."""
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+
+    record = {
+        "step": 1,
+        "loss": 0.0,
+        "lr": 0,
+        "grad_norm": 0.0,
+        "memory_gib_per_rank": [0.0, 2.0],
+        "eval_loss": 0.0,
+    }
+    expected = {
+        "train/loss": 0.0,
+        "train/lr": 0.0,
+        "train/grad_norm": 0.0,
+        "train/memory_gib_per_rank/rank0": 0.0,
+        "train/memory_gib_per_rank/rank1": 2.0,
+        "eval/loss": 0.0,
+    }
+    config = _config(
+        wandb_project="p", wandb_mode="offline", use_tensorboard=True, mlflow_tracking_uri=mlflow_store
+    )
+    with Trackers(config).start(tmp_path, 0, None) as trackers:
+        trackers.log(record)
+        run_id = trackers.state()["mlflow_run_id"]
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (row,) = wandb_run(run_dir)["history"]
+    assert row == {**expected, "train/global_step": 1}
+    assert tensorboard_scalars(tmp_path / "runs") == {name: [(1, value)] for name, value in expected.items()}
+    client = MlflowClient(tracking_uri=mlflow_store)
+    assert {
+        name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)] for name in expected
+    } == {name: [(1, value)] for name, value in expected.items()}
+    assert set(client.get_run(run_id).data.metrics) == set(expected)
+
+
 def test_mlflow_run_missing_from_the_store_starts_a_new_one(tmp_path, mlflow_store):
     config = _config(mlflow_tracking_uri=mlflow_store)
     with Trackers(config) as trackers:

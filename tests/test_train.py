@@ -1,6 +1,7 @@
 """Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -10,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import subprocess_env, write_run
-from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
 
-from qlora_cli.config.loading import load_config
+from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
 from qlora_cli.rundir.checkpoint import read_checkpoint_config
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
-from qlora_cli.train.step import learning_rate, train_step
+from qlora_cli.train.step import learning_rate, optimizer_step, train_step
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,27 +63,151 @@ def test_demo_loss_falls_and_files_are_written(tmp_path, monkeypatch):
     ]
 
 
-def _adapter(output_dir: Path) -> dict:
-    return load_file(Path(output_dir) / "adapter_model.safetensors")
+class _WeightProducts(TorchFunctionMode):
+    """Every product `x @ w` whose 2-D `w` requires grad: on the CPU references, LoRA's A and B
+    (the frozen weights and the lm_head need none). Keeps x and, once backward reaches the product,
+    the gradient g of its output: w's gradient is x^T g, a sum over tokens of x[t] g[t]."""
 
+    MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
-def _grad_norms(output_dir: Path) -> list[float]:
-    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r["grad_norm"] for r in map(json.loads, lines) if "grad_norm" in r]
+    def __init__(self):
+        super().__init__()
+        self.products: list[dict] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.MATMULS and args[1].dim() == 2 and args[1].requires_grad:
+            product = {"x": args[0].detach().clone(), "w": args[1]}
+            out.register_hook(lambda g, product=product: product.update(g=g.detach().clone()))
+            self.products.append(product)
+        return out
 
 
 def test_accumulation_matches_one_large_batch(tmp_path):
-    """Loss normalised over the whole accumulated batch: 2 x 2 rows gives the update of 1 x 4 rows,
-    in the logged losses, the gradient norms and the trained adapter."""
+    """2 micro-batches of 2 rows give the gradient of 1 micro-batch of 4 rows: the loss is normalised
+    over the whole accumulated batch. Four steps, each from the same adapter (the big run's).
+
+    Exact, and compared exactly: the rows a step reads, its trained-token count (the normaliser),
+    the adapter both runs start from, and every per-token term of the adapter's gradient. The CPU
+    references act on each row alone, so the input x and output gradient g of every LoRA product
+    are, token for token, the same numbers whichever rows share their micro-batch.
+
+    Only the order of the sums over tokens differs. An adapter gradient element is
+    dW[i, j] = sum_t g[t, i] x[t, j] over the step's tokens: one GEMM over 4 rows in the big run, in
+    the small one a GEMM per micro-batch and their sum in .grad. Any order of summing n products in
+    fp32 lands within gamma_n * sum_t |g[t, i] x[t, j]| of the exact sum, gamma_n = n u / (1 - n u),
+    u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), so the runs differ by
+    at most twice that; the sums of |terms| are computed here in float64 from the recorded terms,
+    and n counts every token of the step plus the micro-batches. The summed loss likewise: its
+    terms are the token losses, all >= 0, so the bound is 2 gamma_n times the loss itself.
+
+    A real accumulation bug (a micro-batch left out, normalised by its own token count, or its
+    gradient overwritten by the next) moves elements by about their size; the bound is 2 gamma_n,
+    about 6e-5, of sum |terms|. The weights after AdamW are not compared: its first update is
+    lr * g / (|g| + eps), lr * sign(g) to within eps, and later ones divide by sqrt(v) too, so for
+    an element whose g is near 0 a rounding-sized change of g is no longer small in the update
+    (what made an atol=1e-6 comparison of the trained adapters miss on 1 value of 256)."""
     common = dict(sample_packing=True, max_steps=4)
-    big = _run(tmp_path, "big", micro_batch_size=4, gradient_accumulation_steps=1, **common)
-    small = _run(tmp_path, "small", micro_batch_size=2, gradient_accumulation_steps=2, **common)
-    for (_, a), (_, b) in zip(_losses(big.output_dir), _losses(small.output_dir), strict=True):
-        assert a == pytest.approx(b, rel=1e-5)
-    assert _grad_norms(small.output_dir) == pytest.approx(_grad_norms(big.output_dir), rel=1e-4)
-    big_adapter, small_adapter = _adapter(big.output_dir), _adapter(small.output_dir)
-    for name, tensor in big_adapter.items():
-        torch.testing.assert_close(small_adapter[name], tensor, rtol=1e-4, atol=1e-6)
+    big = build_run(load_config(write_run(tmp_path / "big", micro_batch_size=4, **common)))
+    small = build_run(
+        load_config(
+            write_run(tmp_path / "small", micro_batch_size=2, gradient_accumulation_steps=2, **common)
+        )
+    )
+    big_params, small_params = big.model.trainable_parameters(), small.model.trainable_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(big_params, small_params, strict=True))
+    u = 2.0**-24
+    for step in range(4):
+        with torch.no_grad():
+            for a, b in zip(big_params, small_params, strict=True):
+                b.copy_(a)
+        assert big.dist.micro_batches(step, 1) == [step]
+        assert small.dist.micro_batches(step, 2) == [2 * step, 2 * step + 1]
+        halves = [small.train_plan.batch(0, 2 * step + i) for i in range(2)]
+        whole = big.train_plan.batch(0, step)
+        for field in ("input_ids", "labels", "position_ids", "doc_ids"):
+            assert torch.equal(getattr(whole, field), torch.cat([getattr(h, field) for h in halves]))
+        losses, products = {}, {}
+        for name, run in (("big", big), ("small", small)):
+            with _WeightProducts() as recorder:
+                losses[name] = train_step(run, step)
+            products[name] = recorder.products
+        assert losses["small"].trained_tokens == losses["big"].trained_tokens == whole.n_tokens
+        assert losses["small"].input_tokens == losses["big"].input_tokens == whole.input_ids.numel()
+        count = len(products["big"])
+        assert count > 0 and len(products["small"]) == 2 * count
+        per_micro_batch = (products["small"][:count], products["small"][count:])
+        for one, first, second in zip(products["big"], *per_micro_batch, strict=True):
+            for key in ("x", "g"):
+                assert torch.equal(one[key], torch.cat([first[key], second[key]])), f"step {step}: {key}"
+
+        n = whole.input_ids.numel() + 2
+        gamma = n * u / (1 - n * u)
+        loss_error = abs(losses["small"].loss_sum - losses["big"].loss_sum)
+        assert loss_error <= 2 * gamma * losses["big"].loss_sum, f"step {step}: loss off by {loss_error}"
+        # sum_t |g[t]| |x[t]| for each adapter element, and how many products each one enters.
+        magnitudes = [torch.zeros_like(p, dtype=torch.float64) for p in big_params]
+        uses = [0] * len(big_params)
+        for product in products["big"]:
+            absolute = (
+                product["x"].double().abs() @ product["w"].double() * product["g"].double().abs()
+            ).sum()
+            for i, part in enumerate(torch.autograd.grad(absolute, big_params, allow_unused=True)):
+                if part is not None:
+                    magnitudes[i] += part
+                    uses[i] += 1
+        for param, other, magnitude, used in zip(big_params, small_params, magnitudes, uses, strict=True):
+            assert used > 0, "an adapter tensor enters no recorded product"
+            n = used * whole.input_ids.numel() + 2
+            bound = 2 * n * u / (1 - n * u) * magnitude
+            error = (other.grad.double() - param.grad.double()).abs()
+            assert (error <= bound).all(), f"step {step}: {tuple(param.shape)} off by {(error - bound).max()}"
+        optimizer_step(big, step)
+        small.optimizer.zero_grad()
+
+
+def _records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "rows, epochs, micro_batches", [(6, 1, 3), (6, 2, 3), (2, 1, 1), (10, 3, 5)], ids=str
+)
+def test_num_epochs_shows_every_row_that_many_times(tmp_path, rows, epochs, micro_batches):
+    """An epoch ends where its data ends: its last step takes the micro-batches left (accumulation 2), so
+    `num_epochs: N` trains N times the dataset's trained tokens in N x ceil(micro-batches / 2) steps."""
+    config = load_config(
+        write_run(
+            tmp_path / "run", rows=rows, max_steps=None, num_epochs=epochs, gradient_accumulation_steps=2
+        )
+    )
+    plan = build_run(config).train_plan
+    assert plan.num_batches == micro_batches
+    dataset_tokens = sum(label != -100 for example in plan.examples for label in example.labels)
+    result = train(config)
+    records = _records(result.output_dir)
+    assert result.step == len(records) == epochs * -(-micro_batches // 2)
+    assert sum(r["trained_tokens"] for r in records) == epochs * dataset_tokens
+    assert records[-1]["epoch"] == epochs
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batch_index"]) == (epochs, 0)
+
+
+def test_a_short_last_step_is_normalised_over_what_it_holds(tmp_path):
+    """The last step of an epoch of 3 micro-batches (accumulation 2) holds one: its loss and gradient are
+    those of that micro-batch's mean token loss."""
+    config = load_config(write_run(tmp_path / "run", rows=6, gradient_accumulation_steps=2))
+    run = build_run(config)
+    params = run.model.trainable_parameters()
+    (last,) = [run.train_plan.batch(0, 2)]
+    logits = run.model(last.input_ids, last.position_ids).flatten(0, 1)
+    total = torch.nn.functional.cross_entropy(logits, last.labels.flatten(), reduction="sum")
+    expected = torch.autograd.grad(total / last.n_tokens, params)
+    loss_sum, trained, _ = train_step(run, 1)
+    assert trained == last.n_tokens
+    assert loss_sum == pytest.approx(float(total), rel=1e-5)
+    for param, grad in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
 
 
 def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
@@ -103,20 +229,62 @@ def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
 
 
-def test_schedules():
-    config = load_config(
-        write_run(Path("/tmp") / "qlora-schedule-config"), ["warmup_steps=4", "max_steps=20"]
+# Learning rate 1e-3 over 10 optimizer steps (0-based): warmup step s of W runs at (s + 1) / (W + 1);
+# after it, progress p = (s - W) / (10 - W): linear 1 - p, cosine (1 + cos(pi p)) / 2, constant 1.
+COSINE = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "expected"),
+    [
+        ("linear", {"warmup_steps": 2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 5: 1 - 3 / 8, 9: 1 - 7 / 8}),
+        ("linear", {"warmup_ratio": 0.2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 5: 1 - 3 / 8, 9: 1 - 7 / 8}),
+        ("constant", {"warmup_steps": 2}, {0: 1 / 3, 1: 2 / 3, 2: 1.0, 9: 1.0}),
+        ("constant", {}, {0: 1.0, 9: 1.0}),
+        ("cosine", {}, {0: 1.0, 5: 0.5, 9: COSINE(9 / 10)}),
+        # ceil(0.25 * 10) = 3 warmup steps
+        ("cosine", {"warmup_ratio": 0.25}, {0: 1 / 4, 2: 3 / 4, 3: 1.0, 6: COSINE(3 / 7), 9: COSINE(6 / 7)}),
+    ],
+)
+def test_schedules(schedule, warmup, expected):
+    config = config_from_dict(
+        {
+            "base_model": "Qwen/Qwen2.5-0.5B",
+            "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+            "learning_rate": 1e-3,
+            "lr_scheduler": schedule,
+            **warmup,
+        }
     )
-    lrs = [learning_rate(config, step, 20) for step in range(20)]
-    assert lrs[0] < lrs[3] < lrs[4] == config.learning_rate
-    assert lrs[-1] < 0.05 * config.learning_rate
-    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    got = {step: learning_rate(config, step, 10) for step in expected}
+    assert got == pytest.approx({step: 1e-3 * factor for step, factor in expected.items()}, rel=1e-12)
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_resume_is_exact(tmp_path, packing, one_thread):
-    """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for bit."""
+def test_the_logged_lr_is_the_one_each_step_applied(tmp_path):
+    """Linear over 4 steps after 2 of warmup: 1/3, 2/3, 1, 1/2 of the rate, in the optimizer when it
+    steps, in metrics.jsonl and in the checkpoint of the last step."""
+    applied = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: applied.append(optimizer.param_groups[0]["lr"])
+    )
+    try:
+        result = _run(tmp_path, "run", lr_scheduler="linear", warmup_steps=2, max_steps=4, save_steps=4)
+    finally:
+        hook.remove()
+    expected = pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 0.5e-3], rel=1e-12)
+    assert applied == expected
+    records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == applied
+    state = json.loads((result.output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["lr"] == applied[-1]
+
+
+@pytest.mark.parametrize("packing, rows", [(False, 48), (True, 48), (False, 10)], ids=str)
+def test_resume_is_exact(tmp_path, packing, rows, one_thread):
+    """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for
+    bit; with 10 rows an epoch is 3 steps, the last of one micro-batch, and the resumed half crosses it."""
     common = dict(
+        rows=rows,
         sample_packing=packing,
         gradient_accumulation_steps=2,
         lora_dropout=0.1,

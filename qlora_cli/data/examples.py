@@ -310,6 +310,11 @@ class Batch:
             n_tokens=self.n_tokens,
         )
 
+    def untrained(self) -> Batch:
+        """This batch with no trained label: a rank with no micro-batch left in an epoch's last step runs
+        it to join the gradient exchange, adding nothing to the update."""
+        return dataclasses.replace(self, labels=torch.full_like(self.labels, IGNORE_INDEX), n_tokens=0)
+
     def padded_to(self, rows: int) -> Batch:
         """This batch with at least `rows` rows: each added row is one document of untrained tokens.
 
@@ -366,6 +371,9 @@ class BatchPlan:
     of 8 (at most sequence_len). With packing, examples are packed once, in a seed-shuffled order, into
     rows of at most sequence_len tokens, each padded to sequence_len; every epoch then shuffles the rows.
     Either way every epoch has the same `num_batches`; the last micro-batch may hold fewer rows.
+
+    Optimizer steps never straddle epochs: an epoch's last step takes the micro-batches that are left
+    (`steps_per_epoch`, `step_micro_batches`), so `num_epochs: N` shows every row N times.
     """
 
     def __init__(
@@ -400,6 +408,20 @@ class BatchPlan:
         self.num_batches = math.ceil(len(self.rows) / micro_batch_size)
         self._cached_epoch: int | None = None
         self._cached_order: list[int] = []
+
+    def steps_per_epoch(self, per_step: int) -> int:
+        """Optimizer steps in an epoch when a step reads `per_step` micro-batches (accumulation × ranks)."""
+        return math.ceil(self.num_batches / per_step)
+
+    def step_micro_batches(self, step: int, per_step: int) -> tuple[int, range]:
+        """(epoch, the epoch's micro-batch indices) that optimizer step `step` (0-based) reads."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch(per_step))
+        return epoch, range(in_epoch * per_step, min(self.num_batches, (in_epoch + 1) * per_step))
+
+    def epochs_done(self, steps: int, per_step: int) -> float:
+        """How many epochs `steps` optimizer steps have read, counted in micro-batches."""
+        epoch, indices = self.step_micro_batches(steps - 1, per_step) if steps else (0, range(0))
+        return epoch + indices.stop / self.num_batches
 
     def _row_order(self, epoch: int) -> list[int]:
         if self._cached_epoch != epoch:

@@ -28,14 +28,15 @@ ALPACA_STYLES = {
     "chat": ("USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
 }  # fmt: skip
 
-# Dataset role names to the roles chat templates know; ShareGPT writes human/gpt.
+# The roles chat templates render, and the names datasets give them: Axolotl's defaults (human, gpt),
+# the assistant names of real ShareGPT dumps (chatgpt, bing, bard), OpenAssistant's prompter, Gemma's
+# model, and LLaMA-Factory's function/observation tool turns.
+TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
+    **dict.fromkeys(("human", "user", "prompter"), "user"),
+    **dict.fromkeys(("gpt", "chatgpt", "bing", "bard", "bot", "model", "assistant"), "assistant"),
     "system": "system",
-    "tool": "tool",
+    **dict.fromkeys(("tool", "function", "observation"), "tool"),
 }
 _SENTINEL = "\ue000qlora-content\ue001"
 
@@ -183,6 +184,18 @@ def _message_fields(spec: DatasetConfig, first: dict) -> dict[str, str]:
     return mappings
 
 
+def _template_role(role: str, roles: dict[str, str], spec: DatasetConfig, at: str) -> str:
+    """The template role of a dataset role; a name neither the defaults nor the config's `roles` map
+    would be rendered as it is and never trained, so it stops the run."""
+    target = roles.get(role, role)
+    if target not in TEMPLATE_ROLES and target not in (spec.roles or {}):
+        raise QLoraError(
+            f"{at}: role {role!r} is not one the chat template knows ({', '.join(TEMPLATE_ROLES)}); "
+            f"name its template role in the dataset's roles, e.g. roles: {{assistant: [{role}]}}"
+        )
+    return target
+
+
 def chat_messages(row: dict, where: str, spec: DatasetConfig) -> list[dict]:
     """The row's messages with template roles and the keys templates read (role, content, ...)."""
     field = spec.field_messages
@@ -213,7 +226,7 @@ def chat_messages(row: dict, where: str, spec: DatasetConfig) -> list[dict]:
         for key, source in fields.items():
             if key not in ("role", "content") and source in message:
                 converted[key] = message[source]
-        converted.update(role=roles.get(role, role), content=content)
+        converted.update(role=_template_role(role, roles, spec, at), content=content)
         if spec.drop_system_message and converted["role"] == "system":
             continue
         messages.append(converted)

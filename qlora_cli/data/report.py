@@ -113,7 +113,7 @@ def data_report(config: TrainConfig) -> DataReport:
         sequence_len=config.sequence_len,
         sample_packing=config.sample_packing,
         micro_batches=plan.num_batches,
-        steps_per_epoch=math.ceil(plan.num_batches / config.gradient_accumulation_steps),
+        steps_per_epoch=plan.steps_per_epoch(config.gradient_accumulation_steps),
         fill=_fill(plan),
         tokenizer=tokenizer,
     )

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
@@ -35,18 +33,35 @@ from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec, stream_tensors
+from qlora_cli.sources.weights import (
+    TEXT_LAYOUT,
+    VISION_LANGUAGE_LAYOUT,
+    ModelSpec,
+    canonical_name,
+    locate_tensors,
+    read_spec,
+    stream_checkpoint,
+    stream_tensors,
+)
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
-ADAPTER_FILE = "adapter_model.safetensors"
 BASES = ("original", "nf4")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"
 SAFETENSORS_METADATA = {"format": "pt"}
+# A vision-language base's image and video preprocessing, which its merged model needs beside it.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+# The class an adapter's names fit, by the base's layout: PEFT only warns on keys it cannot place, so
+# a vision-language base's adapter loaded onto the causal LM class would run without its LoRA.
+ADAPTER_BASE_CLASS = {
+    TEXT_LAYOUT: "AutoModelForCausalLM",
+    VISION_LANGUAGE_LAYOUT: "AutoModelForImageTextToText",
+}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -79,7 +94,7 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
-    if (path / "trainer_state.json").is_file():
+    if (path / STATE_FILE).is_file():
         return path
     found = (
         usable_checkpoint(path, "export it with `qlora export {checkpoint} --out …`")
@@ -88,13 +103,13 @@ def find_checkpoint(path: Path) -> Path:
     )
     if found is None:
         raise QLoraError(
-            f"{path} holds no complete checkpoint (a checkpoint-<step> folder with trainer_state.json)"
+            f"{path} holds no complete checkpoint (a checkpoint-<step> folder with {STATE_FILE})"
         )
     return found
 
 
 def training_dtype(state: dict) -> torch.dtype:
-    """The compute dtype the run trained in, as trainer_state.json records it.
+    """The compute dtype the run trained in, as the checkpoint's trainer state records it.
 
     `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
     gives that dtype back, so the weights the adapter learned against are
@@ -102,7 +117,7 @@ def training_dtype(state: dict) -> torch.dtype:
     """
     name = state.get("compute_dtype")
     if name not in DTYPES:
-        raise QLoraError("trainer_state.json does not record the run's compute dtype; --base nf4 needs it")
+        raise QLoraError(f"{STATE_FILE} does not record the run's compute dtype; --base nf4 needs it")
     return DTYPES[name]
 
 
@@ -122,30 +137,57 @@ def merge_tensor(
 
     With `round_trip` every projection weight (adapted or not, all are NF4 in training) becomes its NF4
     round trip in that dtype; a projection with an adapter then becomes W + scaling · B @ A computed in
-    fp32; a trained norm becomes its trained value; anything else passes as it is. Adapter names are the
-    PEFT prefix followed by the Hugging Face names, so the base name finds them.
+    fp32 (a gated q_proj's B holds the gate rows, interleaved per head as the weight's are, so the
+    product lines up row for row); a trained norm becomes its trained value; anything else passes as it
+    is. `adapter` is keyed by the names the tensors stream under (`by_tensor_name`).
     """
     module = name.removesuffix(".weight")
     if round_trip is not None and module != name and module.rsplit(".", 1)[-1] in ALL_PROJECTIONS:
         tensor = nf4_round_trip(tensor, round_trip)
-    lora_a = adapter.get(f"{PREFIX}{module}.lora_A.weight")
+    lora_a = adapter.get(f"{module}.lora_A.weight")
     if lora_a is None:
-        return adapter.get(PREFIX + name, tensor)
-    lora_b = adapter[f"{PREFIX}{module}.lora_B.weight"]
+        return adapter.get(name, tensor)
+    lora_b = adapter[f"{module}.lora_B.weight"]
     return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
 
 
-def merged_tensors(
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base's tensors merged one at a time as they stream past; a tied lm_head is not among them
-    (stream_tensors yields only the tensors the spec names), as transformers and llama.cpp expect."""
-    for name, tensor in stream_tensors(base_folder, spec):
-        yield name, merge_tensor(name, tensor, adapter, scaling, round_trip)
+@dataclass(frozen=True)
+class Merge:
+    """What a merged export merges: the base's folder and shape, the adapter and its scaling, and the
+    dtype of the NF4 round trip the base weights take first (None: the original weights)."""
+
+    base_folder: Path
+    spec: ModelSpec
+    adapter: dict[str, torch.Tensor]
+    scaling: float
+    round_trip: torch.dtype | None
+
+
+def by_tensor_name(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter keyed as the base's tensors stream (`model.layers.N....`): PEFT's prefix dropped and
+    a vision-language decoder's `model.language_model.` made `model.`."""
+    return {canonical_name(name.removeprefix(PREFIX)): tensor for name, tensor in adapter.items()}
+
+
+def merged_tensors(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
+    """The decoder's tensors merged one at a time as they stream past, under the names stream_tensors
+    gives them; a tied lm_head is not among them (stream_tensors yields only the tensors the spec
+    names), as transformers and llama.cpp expect."""
+    named = by_tensor_name(merge.adapter)
+    for name, tensor in stream_tensors(merge.base_folder, merge.spec):
+        yield name, merge_tensor(name, tensor, named, merge.scaling, merge.round_trip)
+
+
+def merged_checkpoint(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base checkpoint in its own layout and names, the decoder merged: a vision-language
+    checkpoint's vision tower and any MTP head pass through unchanged, so the result loads as the class
+    the base's config.json names."""
+    named = by_tensor_name(merge.adapter)
+    for stored, name, tensor in stream_checkpoint(merge.base_folder, merge.spec):
+        yield (
+            stored,
+            tensor if name is None else merge_tensor(name, tensor, named, merge.scaling, merge.round_trip),
+        )
 
 
 class ShardWriter:
@@ -195,14 +237,8 @@ class ShardWriter:
 
 def _read_adapter(checkpoint: Path, skeleton: QLoRAModel, base_folder: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's adapter tensors, checked against the base: every one present, of the right shape."""
-    path = checkpoint / ADAPTER_FILE
-    try:
-        tensors = load_file(str(path))
-    except FileNotFoundError:
-        raise QLoraError(f"checkpoint {checkpoint} is incomplete: {ADAPTER_FILE} is missing") from None
-    except (SafetensorError, OSError) as err:
-        raise QLoraError(f"{path} is corrupt: {err}") from None
-    source = f"{path} against base {base_folder}"
+    tensors = read_checkpoint_adapter(checkpoint)
+    source = f"{checkpoint / ADAPTER_WEIGHTS} against base {base_folder}"
     load_adapter_state(skeleton, tensors, source)
     adapter = adapter_state_dict(skeleton)
     extra = sorted(set(tensors) - set(adapter))
@@ -223,24 +259,17 @@ def _base_config(folder: Path, dtype: str) -> dict:
     return config
 
 
-def _write_merged(
-    folder: Path,
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-    dtype: str,
-    max_bytes: int,
-) -> int:
+def _write_merged(folder: Path, merge: Merge, dtype: str, max_bytes: int) -> int:
     """Stream the base, merge each tensor as it passes, write shards."""
     writer = ShardWriter(folder, max_bytes)
-    for name, tensor in merged_tensors(base_folder, spec, adapter, scaling, round_trip):
+    for name, tensor in merged_checkpoint(merge):
         writer.add(name, tensor.to(DTYPES[dtype]))
     shards = writer.finish()
+    base_folder = merge.base_folder
     write_json(folder / "config.json", _base_config(base_folder, dtype))
-    if (base_folder / "generation_config.json").is_file():
-        shutil.copyfile(base_folder / "generation_config.json", folder / "generation_config.json")
+    for name in ("generation_config.json", *PROCESSOR_FILES):
+        if (base_folder / name).is_file():
+            shutil.copyfile(base_folder / name, folder / name)
     return shards
 
 
@@ -249,21 +278,13 @@ def _bos_token_id(base_folder: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _write_gguf(
-    folder: Path,
-    config: TrainConfig,
-    base_folder: Path,
-    spec: ModelSpec,
-    adapter: dict[str, torch.Tensor],
-    scaling: float,
-    round_trip: torch.dtype | None,
-    gguf_type: str,
-) -> str:
+def _write_gguf(folder: Path, config: TrainConfig, merge: Merge, gguf_type: str) -> str:
     """The merged weights as one GGUF file, with an Ollama Modelfile beside it; returns the file's name.
 
     The tokenizer files the other exports carry go to a scratch folder first, so that the GGUF holds the
     run's chat template and special tokens exactly as they would; they are not left in the export.
     """
+    base_folder, spec = merge.base_folder, merge.spec
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         write_tokenizer(config, base_folder, Path(scratch))
         tokenizer = ChatTokenizer.from_folder(scratch)
@@ -271,7 +292,7 @@ def _write_gguf(
     name = f"model-{gguf_type}.gguf"
     names = locate_tensors(base_folder, spec).names
     model_name = config.base_model.rstrip("/").rsplit("/", 1)[-1] + "-qlora"
-    tensors = merged_tensors(base_folder, spec, adapter, scaling, round_trip)
+    tensors = merged_tensors(merge)
     write_gguf(folder / name, spec, names, tensors, vocabulary, gguf_type, model_name)
     (folder / "Modelfile").write_text(modelfile(name, tokenizer), encoding="utf-8")
     return name
@@ -299,6 +320,7 @@ def model_card(
     dtype: str | None,
     round_trip: torch.dtype | None,
     gguf_file: str | None = None,
+    layout: str = TEXT_LAYOUT,
 ) -> str:
     """A short README.md: what was trained, on what, for how long, and how it was exported."""
     revision = f" at revision `{config.revision}`" if config.revision else ""
@@ -340,7 +362,7 @@ def model_card(
             usage = f"llama-cli -m {gguf_file} -cnv"
     else:
         kind, library = "a LoRA adapter (PEFT format)", "peft"
-        usage = "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this_folder)"
+        usage = f"PeftModel.from_pretrained({ADAPTER_BASE_CLASS[layout]}.from_pretrained(base_model), this_folder)"
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     return (
         f"---\nlibrary_name: {library}\ntags: [qlora, lora]\n---\n\n"
@@ -448,21 +470,18 @@ def export(
         check_tokenizer(base_folder)
 
     round_trip = training_dtype(state) if base == "nf4" else None
+    merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip)
     temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     shards, gguf_file = 0, None
     try:
         temp.mkdir(parents=True)
         if gguf:
-            gguf_file = _write_gguf(
-                temp, config, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, gguf_type
-            )
+            gguf_file = _write_gguf(temp, config, merge, gguf_type)
         elif merged:
-            shards = _write_merged(
-                temp, base_folder, spec, adapter, skeleton.lora.scaling, round_trip, dtype, max_bytes
-            )
+            shards = _write_merged(temp, merge, dtype, max_bytes)
         else:
-            save_tensors(adapter, temp / ADAPTER_FILE, metadata=SAFETENSORS_METADATA)
-            write_json(temp / "adapter_config.json", adapter_config(skeleton, config))
+            save_tensors(adapter, temp / ADAPTER_WEIGHTS, metadata=SAFETENSORS_METADATA)
+            write_json(temp / ADAPTER_CONFIG, adapter_config(skeleton, config))
         if not gguf:
             write_tokenizer(config, base_folder, temp)
         card = model_card(
@@ -472,6 +491,7 @@ def export(
             dtype=gguf_type if gguf else dtype,
             round_trip=round_trip,
             gguf_file=gguf_file,
+            layout=spec.layout,
         )
         (temp / "README.md").write_text(card, encoding="utf-8")
         if out.exists():

@@ -8,24 +8,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from qlora_cli.config.loading import load_config
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import compute_dtype, lora_config, select_device
 from qlora_cli.rundir.adapter import load_adapter_state
-from qlora_cli.rundir.checkpoint import STATE_FILE, read_checkpoint_config
-from qlora_cli.rundir.folder import ADAPTER_FILES, usable_checkpoint
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
+from qlora_cli.rundir.folder import usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_WEIGHTS, STATE_FILE
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.hub import resolve_model
 from qlora_cli.sources.run_tokenizer import dataset_template, run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
-ADAPTER_FILE = ADAPTER_FILES[0]
 _PROBE = "\ue000qlora-answer\ue001"
 # Llama 3 closes a chat turn with <|eot_id|>, a tool call's turn with <|eom_id|> and a text with
 # <|end_of_text|>; a model may end its answer with any of them.
@@ -121,14 +118,7 @@ def load_source(source: Path, *, base_only: bool = False, device: str = "auto") 
     started = time.perf_counter()
     torch_device = select_device(device, "--device")
     config, checkpoint = find_source(source, base_only=base_only)
-    adapter = None
-    if checkpoint is not None:
-        try:
-            adapter = load_file(str(checkpoint / ADAPTER_FILE))
-        except FileNotFoundError:
-            raise QLoraError(f"checkpoint {checkpoint} is incomplete: {ADAPTER_FILE} is missing") from None
-        except (SafetensorError, OSError) as err:
-            raise QLoraError(f"{checkpoint / ADAPTER_FILE} is corrupt: {err}") from None
+    adapter = read_checkpoint_adapter(checkpoint) if checkpoint is not None else None
     try:
         folder = resolve_model(config.base_model, config.revision)
     except QLoraError as err:
@@ -142,7 +132,7 @@ def load_source(source: Path, *, base_only: bool = False, device: str = "auto") 
         dtype=compute_dtype(config, torch_device),
     )
     if adapter is not None:
-        load_adapter_state(model, adapter, str(checkpoint / ADAPTER_FILE))
+        load_adapter_state(model, adapter, str(checkpoint / ADAPTER_WEIGHTS))
     model.eval().requires_grad_(False)
     variables = dict(config.chat_template_kwargs)
     return GenerationSource(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION
+from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import NF4Weight
@@ -47,6 +47,26 @@ class LoRAConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def lora_weights_per_layer(self, spec: ModelSpec, kind: str = FULL_ATTENTION) -> int:
+        """LoRA A [r, in] and B [out, r] of each targeted projection of one layer of `kind`."""
+        shapes = spec.projection_shapes(kind)
+        return sum(self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.target_modules)
+
+    def trained_weights(self, spec: ModelSpec) -> int:
+        """Every weight the adapter trains: what the optimizer holds state for and a checkpoint saves.
+
+        The memory planner and the output_dir's free-space check both count from here."""
+        total = spec.hidden_size if self.train_norms else 0
+        for kind in spec.layer_types:
+            total += self.lora_weights_per_layer(spec, kind)
+            if self.train_norms:
+                if kind == LINEAR_ATTENTION:
+                    own_norms = spec.linear_attention.value_head_dim
+                else:
+                    own_norms = 2 * spec.head_dim if spec.qk_norm else 0
+                total += 2 * spec.hidden_size + own_norms
+        return total
 
 
 class ProjectionGroup(nn.Module):

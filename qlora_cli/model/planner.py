@@ -9,49 +9,98 @@ pinned host memory (qlora_cli/model/offload.py), copied while the GPU computes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig
 from qlora_cli.model.sliced_mlp import slice_tokens
-from qlora_cli.sources.weights import ModelSpec
+from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_kernels.delta_rule import CHUNK
 
 BF16 = 2
+FP32 = 4
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
 HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
+DELTA_RULE_VALUE_BLOCK = 32  # value columns per program of the delta rule's scans (kernels/delta_rule.py)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the planner needs of a run besides the model: one micro-batch's tokens, the adapter's shape
+    (rank, targets, dropout, trained norms) and the memory budget (None: no budget)."""
+
+    tokens: int  # micro_batch_size × sequence_len
+    lora: LoRAConfig
+    budget_gb: float | None = None
 
 
 def frozen_weight_bytes(spec: ModelSpec) -> int:
-    """NF4 projections (half a byte a weight plus about 1/64 byte of absmax) and bf16 embeddings."""
-    projections = sum(out * inp for out, inp in spec.projection_shapes().values()) * spec.num_layers
+    """NF4 projections (half a byte a weight plus about 1/64 byte of absmax) of each layer's kind, bf16
+    embeddings, and a Gated DeltaNet layer's fp32 conv weight, A_log, dt_bias and norm."""
+    weights = sum(
+        out * inp for kind in spec.layer_types for out, inp in spec.projection_shapes(kind).values()
+    )
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    return int(projections * (0.5 + 1 / 64)) + embeddings * BF16
+    linear_state = 0
+    if spec.linear_attention is not None:
+        linear = spec.linear_attention
+        per_layer = linear.conv_dim * linear.conv_kernel + 2 * linear.num_value_heads + linear.value_head_dim
+        linear_state = per_layer * spec.layer_types.count(LINEAR_ATTENTION) * FP32
+    return int(weights * (0.5 + 1 / 64)) + embeddings * BF16 + linear_state
 
 
-def lora_weights_per_layer(spec: ModelSpec, lora_r: int) -> int:
-    return sum(lora_r * (out + inp) for out, inp in spec.projection_shapes().values())
+def trainable_state_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
+    """The trained weights in fp32, their gradients and two AdamW moments."""
+    return lora.trained_weights(spec) * 4 * 4
 
 
-def trainable_state_bytes(spec: ModelSpec, lora_r: int) -> int:
-    """fp32 LoRA weights, their gradients and two AdamW moments."""
-    return lora_weights_per_layer(spec, lora_r) * spec.num_layers * 4 * 4
+def _group_outputs(spec: ModelSpec, kind: str, group: str) -> int:
+    shapes = spec.projection_shapes(kind)
+    return sum(shapes[name][0] for name in LAYER_GROUPS[kind][group])
 
 
-def kept_activation_bytes(spec: ModelSpec, tokens: int, lora_dropout: float = 0.0) -> int:
-    """What one layer saves for backward when it is not recomputed (bf16).
-
-    Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
-    rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
-    LoRA input, and down keeps the SwiGLU output.
-    """
-    qkv = spec.q_size + 2 * spec.kv_size
-    per_token = (
-        3 * spec.hidden_size  # layer input, residual, normed input
-        + qkv  # projected q, k, v
+def _mixer_activations(spec: ModelSpec, kind: str) -> int:
+    """Values a token keeps between the layer's first norm and its second for backward (bf16 units)."""
+    if kind == LINEAR_ATTENTION:
+        linear = spec.linear_attention
+        return (
+            _group_outputs(
+                spec, kind, "in_proj"
+            )  # in_proj's output [qkv | z | b | a]: the conv keeps its qkv, the gated norm its z
+            + linear.conv_dim  # the conv's output: the delta rule keeps its q, k and v
+            + 6 * linear.num_value_heads  # the decay g and the fp32 steps that made it, beta
+            + linear.value_dim  # the delta rule's output, which the gated norm keeps
+            + linear.value_dim  # z as the gated norm keeps it, a copy in rows of heads
+            + linear.value_dim  # the gated norm's output, out_proj's input
+        )
+    gate = spec.q_size if spec.attention_output_gate else 0
+    return (
+        _group_outputs(spec, kind, "qkv")  # projected q (and its output gate), k, v
         + spec.q_size
         + spec.kv_size  # rotated q and k
         + spec.q_size  # attention output
-        + 2 * spec.hidden_size  # residual after attention, normed
+        + gate  # the gated attention output, o_proj's input
+    )
+
+
+def kept_activation_bytes(
+    spec: ModelSpec, tokens: int, lora_dropout: float = 0.0, kind: str = FULL_ATTENTION
+) -> int:
+    """What one layer of `kind` saves for backward when it is not recomputed (bf16).
+
+    Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
+    rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
+    LoRA input, and down keeps the SwiGLU output. A Gated DeltaNet layer's delta rule keeps only
+    its inputs (kernels/delta_rule.py recomputes its chunk tables in backward).
+    """
+    per_token = (
+        3 * spec.hidden_size  # layer input, residual, normed input
+        + _mixer_activations(spec, kind)
+        + 2 * spec.hidden_size  # residual after the mixer, normed
         + 2 * spec.intermediate_size  # gate/up
     )
     if lora_dropout:
-        per_token += 2 * spec.hidden_size + spec.q_size + 2 * spec.intermediate_size
+        mixer_output_input = spec.linear_attention.value_dim if kind == LINEAR_ATTENTION else spec.q_size
+        per_token += 2 * spec.hidden_size + mixer_output_input + 2 * spec.intermediate_size
     return tokens * per_token * BF16
 
 
@@ -65,10 +114,25 @@ def recomputed_layer_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     return 0 if offload else checkpointed_activation_bytes(spec, tokens)
 
 
-def kept_layer_bytes(spec: ModelSpec, tokens: int, lora_r: int, lora_dropout: float = 0.0) -> int:
+def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTION) -> int:
     """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
     backward (kernels.linear, kernels.swiglu)."""
-    return kept_activation_bytes(spec, tokens, lora_dropout) + lora_weights_per_layer(spec, lora_r) * BF16
+    activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout, kind)
+    return activations + shape.lora.lora_weights_per_layer(spec, kind) * BF16
+
+
+def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
+    """The fp32 tables the delta rule's backward builds for one Gated DeltaNet layer (kernels/delta_rule.py,
+    _chunk_forward with store_states and _chunk_backward), per value head and token: the chunk solve
+    and q·k tables (2 × CHUNK), w, u, the corrections and their gradient (Dk + 3 Dv), the state entering
+    each chunk (Dk·Dv / CHUNK), the per-value-block partial dq, dk, dw and db and their sums; and the
+    normalised q and k per key head."""
+    linear = spec.linear_attention
+    k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
+    blocks = -(-v_dim // DELTA_RULE_VALUE_BLOCK)
+    per_value_head = 2 * CHUNK + k_dim + 3 * v_dim + k_dim * v_dim / CHUNK + (blocks + 1) * (3 * k_dim + 1)
+    per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim
+    return int(tokens * per_token * FP32)
 
 
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
@@ -78,57 +142,43 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's activations and their gradients come to 9.5 rows of
     hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
     for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
-    shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks.
+    shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks. A
+    Gated DeltaNet layer's backward adds the delta rule's fp32 tables (not yet measured on a GPU).
     """
     per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
     mlp = 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
-    scratch = max(out * inp for out, inp in spec.projection_shapes().values())
-    return int((tokens * per_token + mlp + scratch) * BF16) + LOSS_WORKING
+    kinds = set(spec.layer_types)
+    scratch = max(out * inp for kind in kinds for out, inp in spec.projection_shapes(kind).values())
+    delta_rule = delta_rule_backward_bytes(spec, tokens) if LINEAR_ATTENTION in kinds else 0
+    return int((tokens * per_token + mlp + scratch) * BF16) + delta_rule + LOSS_WORKING
 
 
-def fixed_bytes(spec: ModelSpec, lora_r: int) -> int:
-    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora_r)
+def fixed_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
+    return frozen_weight_bytes(spec) + trainable_state_bytes(spec, lora)
 
 
-def estimated_peak_bytes(
-    spec: ModelSpec,
-    tokens: int,
-    lora_r: int,
-    recomputed: int,
-    *,
-    offload: bool = False,
-    lora_dropout: float = 0.0,
-) -> int:
-    """The planner's estimate of a step's peak GPU memory (allocated, not reserved)."""
-    kept = spec.num_layers - recomputed
+def estimated_peak_bytes(spec: ModelSpec, shape: RunShape, recomputed: int, *, offload: bool = False) -> int:
+    """The planner's estimate of a step's peak GPU memory (allocated, not reserved); the first `recomputed`
+    layers recompute, the rest keep what their kind saves."""
+    kept = sum(kept_layer_bytes(spec, shape, kind) for kind in spec.layer_types[recomputed:])
     return (
-        fixed_bytes(spec, lora_r)
-        + kept * kept_layer_bytes(spec, tokens, lora_r, lora_dropout)
-        + recomputed * recomputed_layer_bytes(spec, tokens, offload)
-        + working_bytes(spec, tokens, offload and recomputed > 0)
+        fixed_bytes(spec, shape.lora)
+        + kept
+        + recomputed * recomputed_layer_bytes(spec, shape.tokens, offload)
+        + working_bytes(spec, shape.tokens, offload and recomputed > 0)
     )
 
 
 def layers_to_checkpoint(
-    setting: bool | str,
-    spec: ModelSpec,
-    tokens: int,
-    budget_gb: float | None,
-    lora_r: int,
-    lora_dropout: float = 0.0,
-    *,
-    offload: bool = False,
+    setting: bool | str, spec: ModelSpec, shape: RunShape, *, offload: bool = False
 ) -> int:
     """Layers (counted from the first) that recompute in backward."""
     if setting is True:
         return spec.num_layers
-    if setting is False or budget_gb is None:
+    if setting is False or shape.budget_gb is None:
         return 0
     for recomputed in range(spec.num_layers + 1):
-        peak = estimated_peak_bytes(
-            spec, tokens, lora_r, recomputed, offload=offload, lora_dropout=lora_dropout
-        )
-        if peak <= budget_gb * 2**30:
+        if estimated_peak_bytes(spec, shape, recomputed, offload=offload) <= shape.budget_gb * 2**30:
             return recomputed
     return spec.num_layers
 
@@ -146,14 +196,7 @@ def host_available_bytes() -> int | None:
 
 
 def offloads_activations(
-    setting: bool | str,
-    checkpointing: bool | str,
-    spec: ModelSpec,
-    tokens: int,
-    budget_gb: float | None,
-    lora_r: int,
-    device_type: str,
-    lora_dropout: float = 0.0,
+    setting: bool | str, checkpointing: bool | str, spec: ModelSpec, shape: RunShape, device_type: str
 ) -> bool:
     """`auto`: offload on a GPU whenever layers recompute, if the host has room to pin their inputs.
 
@@ -164,8 +207,8 @@ def offloads_activations(
         return bool(setting)
     if device_type != "cuda":
         return False
-    if layers_to_checkpoint(checkpointing, spec, tokens, budget_gb, lora_r, lora_dropout) == 0:
+    if layers_to_checkpoint(checkpointing, spec, shape) == 0:
         return False
     host = host_available_bytes()
-    pinned = spec.num_layers * checkpointed_activation_bytes(spec, tokens)
+    pinned = spec.num_layers * checkpointed_activation_bytes(spec, shape.tokens)
     return host is None or pinned <= HOST_SHARE * host

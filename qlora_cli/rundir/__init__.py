@@ -1,5 +1,5 @@
-"""What an output_dir holds: its file names, checkpoints and the adapter in them, ownership, the lock and
-free space. Imports qlora_cli.core, config and sources."""
+"""What an output_dir holds: its file names (names.py), checkpoints and the adapter in them, ownership,
+the lock and free space. Imports qlora_cli.core, config, sources and model (the adapter's size)."""
 
 from qlora_cli.rundir.checkpoint import (
     load_checkpoint,

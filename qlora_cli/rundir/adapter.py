@@ -20,8 +20,11 @@ from safetensors.torch import load_file
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS
+from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from qlora_cli.sources.weights import DECODER_PREFIX
 
 PREFIX = "base_model.model."
+LINEAR_ATTENTION_NORM = "linear_attn.norm"
 
 
 def _module_path(proj: str) -> str:
@@ -47,7 +50,7 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
                 named[f"{base}self_attn.q_norm.weight"] = layer.q_norm
                 named[f"{base}self_attn.k_norm.weight"] = layer.k_norm
             if hasattr(layer, "linear_norm"):
-                named[f"{base}linear_attn.norm.weight"] = layer.linear_norm
+                named[f"{base}{LINEAR_ATTENTION_NORM}.weight"] = layer.linear_norm
     if model.lora is not None and model.lora.train_norms:
         named[f"{decoder}norm.weight"] = model.norm
     return named
@@ -60,12 +63,18 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def norm_module_names(model) -> list[str]:
-    """The norm modules a PEFT adapter must list in modules_to_save when norms train."""
+    """The norm modules a PEFT adapter must list in modules_to_save when norms train.
+
+    PEFT picks every module whose name ends with a listed one, so the final norm is named in full: a bare
+    `norm` would also pick a vision tower's merger norm, which the adapter does not hold.
+    """
     if model.lora is None or not model.lora.train_norms:
         return []
-    names = ["input_layernorm", "post_attention_layernorm", "norm"]
+    names = ["input_layernorm", "post_attention_layernorm", model.spec.decoder_prefix + "norm"]
     if model.spec.qk_norm:
         names += ["q_norm", "k_norm"]
+    if model.spec.linear_attention is not None:
+        names.append(LINEAR_ATTENTION_NORM)
     return names
 
 
@@ -112,24 +121,33 @@ def load_adapter_state(model, tensors: dict[str, torch.Tensor], source: str) -> 
             param.copy_(saved)
 
 
-NORM_MODULES = {"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm"}
+# What an adapter's modules_to_save may name: the norms, as qlora writes them or PEFT users do.
+NORM_MODULES = {
+    "input_layernorm",
+    "post_attention_layernorm",
+    "norm",
+    *(prefix + "norm" for prefix in DECODER_PREFIX.values()),
+    "q_norm",
+    "k_norm",
+    LINEAR_ATTENTION_NORM,
+}
 
 
 def read_peft_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """adapter_config.json and adapter_model.safetensors of a PEFT LoRA adapter folder."""
     folder = Path(folder)
     try:
-        saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     except FileNotFoundError as err:
         raise QLoraError(
             f"lora_model_dir {folder}: no {Path(err.filename).name} (a PEFT adapter folder has "
-            "adapter_config.json and adapter_model.safetensors)"
+            f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         ) from None
     except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise QLoraError(f"lora_model_dir {folder}: cannot read the adapter ({err})") from None
     if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
-        raise QLoraError(f"lora_model_dir {folder}: adapter_config.json is not a LoRA adapter's")
+        raise QLoraError(f"lora_model_dir {folder}: {ADAPTER_CONFIG} is not a LoRA adapter's")
     return saved, tensors
 
 
@@ -167,7 +185,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
             "train_norms": bool(saved.get("modules_to_save")),
         }
     except (KeyError, TypeError, ValueError) as err:
-        raise QLoraError(f"lora_model_dir {source}: adapter_config.json has no valid {err}") from None
+        raise QLoraError(f"lora_model_dir {source}: {ADAPTER_CONFIG} has no valid {err}") from None
     targets = _adapter_targets(saved, source)
     changed = [
         f"{key} {getattr(config, key)!r} -> {value!r}"

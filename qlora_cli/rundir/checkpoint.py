@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,18 +25,17 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, fsync_dir, fsync_tree, save_tensors, write_json
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
-
-CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
-TEMP_PREFIX = ".tmp-checkpoint-"
-DISCARD_PREFIX = ".old-checkpoint-"
-STATE_FILE = "trainer_state.json"
-CHECKPOINT_FILES = (
-    "adapter_model.safetensors",
-    "adapter_config.json",
-    "optimizer.safetensors",
-    "optimizer.json",
-    "config.yaml",
+from qlora_cli.rundir.names import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_NAME,
+    CONFIG_FILE,
+    DISCARD_PREFIX,
+    OPTIMIZER_SETTINGS,
+    OPTIMIZER_TENSORS,
     STATE_FILE,
+    TEMP_PREFIX,
+    checkpoint_name,
 )
 
 
@@ -79,16 +78,20 @@ def checkpoint_run(folder: Path) -> str | None:
     return read_trainer_state(folder).get("run_id")
 
 
-def run_checkpoints(output_dir: Path, run_id: str | None) -> list[tuple[int, Path]]:
-    """The readable checkpoints of one run, oldest first."""
-    found = []
+def readable_checkpoints(output_dir: Path) -> Iterator[tuple[int, Path, str | None]]:
+    """(step, folder, run id) of every checkpoint whose trainer state reads, oldest first; an unreadable
+    one is skipped, since nothing can say which run it belongs to."""
     for step, folder in list_checkpoints(output_dir):
         try:
-            if checkpoint_run(folder) == run_id:
-                found.append((step, folder))
+            run_id = checkpoint_run(folder)
         except QLoraError:
             continue
-    return found
+        yield step, folder, run_id
+
+
+def run_checkpoints(output_dir: Path, run_id: str | None) -> list[tuple[int, Path]]:
+    """The readable checkpoints of one run, oldest first."""
+    return [(step, folder) for step, folder, owner in readable_checkpoints(output_dir) if owner == run_id]
 
 
 def remove_partial(output_dir: Path) -> None:
@@ -106,8 +109,8 @@ def discard(folder: Path) -> None:
 
 
 def write_adapter(folder: Path, model, config: TrainConfig) -> None:
-    save_tensors(adapter_state_dict(model), folder / "adapter_model.safetensors")
-    write_json(folder / "adapter_config.json", adapter_config(model, config))
+    save_tensors(adapter_state_dict(model), folder / ADAPTER_WEIGHTS)
+    write_json(folder / ADAPTER_CONFIG, adapter_config(model, config))
 
 
 def save_checkpoint(
@@ -124,7 +127,7 @@ def save_checkpoint(
     the reason; the temporary folder is removed and earlier checkpoints are untouched.
     """
     output_dir = Path(output_dir)
-    final = output_dir / f"checkpoint-{step}"
+    final = output_dir / checkpoint_name(step)
     temp = output_dir / f"{TEMP_PREFIX}{step}-{os.getpid()}"
     previous = run_checkpoints(output_dir, trainer_state.get("run_id"))
     try:
@@ -133,9 +136,9 @@ def save_checkpoint(
         temp.mkdir()
         write_adapter(temp, model, config)
         tensors, meta = optimizer_tensors(optimizer)
-        save_tensors(tensors, temp / "optimizer.safetensors")
-        write_json(temp / "optimizer.json", meta)
-        save_config(config, temp / "config.yaml")
+        save_tensors(tensors, temp / OPTIMIZER_TENSORS)
+        write_json(temp / OPTIMIZER_SETTINGS, meta)
+        save_config(config, temp / CONFIG_FILE)
         write_json(temp / STATE_FILE, trainer_state)
         fsync_tree(temp)
         if final.exists():
@@ -156,7 +159,7 @@ def save_checkpoint(
 
 def read_checkpoint_config(folder: Path) -> TrainConfig:
     try:
-        return config_from_dict(read_yaml(Path(folder) / "config.yaml"))
+        return config_from_dict(read_yaml(Path(folder) / CONFIG_FILE))
     except QLoraError as err:
         raise QLoraError(f"checkpoint {folder}: {err}") from None
 
@@ -174,12 +177,23 @@ def read_trainer_state(folder: Path) -> dict:
     return state
 
 
+def read_checkpoint_adapter(folder: Path) -> dict[str, torch.Tensor]:
+    """The adapter tensors a checkpoint saved, as they are on disk (load_adapter_state fits them to a model)."""
+    path = Path(folder) / ADAPTER_WEIGHTS
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise QLoraError(f"checkpoint {folder} is incomplete: {ADAPTER_WEIGHTS} is missing") from None
+    except (SafetensorError, OSError) as err:
+        raise QLoraError(f"{path} is corrupt: {err}") from None
+
+
 def _read_files(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     state = read_trainer_state(folder)
+    adapter = read_checkpoint_adapter(folder)
     try:
-        adapter = load_file(str(folder / "adapter_model.safetensors"))
-        tensors = load_file(str(folder / "optimizer.safetensors"))
-        meta = json.loads((folder / "optimizer.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / OPTIMIZER_TENSORS))
+        meta = json.loads((folder / OPTIMIZER_SETTINGS).read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise QLoraError(f"checkpoint {folder} is incomplete: {Path(err.filename).name} is missing") from None
     except (SafetensorError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -193,13 +207,13 @@ def checkpoint_problem(folder: Path) -> str | None:
     try:
         _read_files(folder)
         read_checkpoint_config(folder)
-        json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except QLoraError as err:
         return str(err)
     except FileNotFoundError:
-        return f"checkpoint {folder} is incomplete: adapter_config.json is missing"
+        return f"checkpoint {folder} is incomplete: {ADAPTER_CONFIG} is missing"
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"checkpoint {folder} is corrupt: adapter_config.json: {err}"
+        return f"checkpoint {folder} is corrupt: {ADAPTER_CONFIG}: {err}"
     return None
 
 

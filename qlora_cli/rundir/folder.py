@@ -22,23 +22,28 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, replace_file
+from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.checkpoint import (
-    CHECKPOINT_NAME,
-    DISCARD_PREFIX,
-    TEMP_PREFIX,
     checkpoint_problem,
     checkpoint_run,
     list_checkpoints,
     read_trainer_state,
+    readable_checkpoints,
     run_checkpoints,
+)
+from qlora_cli.rundir.names import (
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_NAME,
+    DISCARD_PREFIX,
+    LOCK_FILE,
+    RUN_FILE,
+    RUN_FILES,
+    SUPERSEDED_PREFIX,
+    TEMP_PREFIX,
+    WRITE_PROBE_PREFIX,
 )
 from qlora_cli.sources.weights import ModelSpec
 
-RUN_FILE = "qlora_run.json"
-LOCK_FILE = ".qlora.lock"
-SUPERSEDED_PREFIX = "superseded-checkpoint-"
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-RUN_FILES = (*ADAPTER_FILES, "metrics.jsonl", "train.log", RUN_FILE)
 # A checkpoint holds the adapter, two AdamW moments of the same size, and small JSON/YAML files.
 CHECKPOINT_ADAPTER_COPIES = 3
 CHECKPOINT_OVERHEAD = 1 << 20
@@ -50,12 +55,8 @@ def owner_run(output_dir: Path) -> str | None:
         return json.loads((Path(output_dir) / RUN_FILE).read_text(encoding="utf-8"))["run_id"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    for _, folder in reversed(list_checkpoints(output_dir)):
-        try:
-            return checkpoint_run(folder)
-        except QLoraError:
-            continue
-    return None
+    found = list(readable_checkpoints(output_dir))
+    return found[-1][2] if found else None
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -104,20 +105,13 @@ def earlier_run_files(output_dir: Path) -> list[Path]:
         if (
             entry.is_dir() and (CHECKPOINT_NAME.match(entry.name) or entry.name.startswith(SUPERSEDED_PREFIX))
         )
-        or entry.name == ADAPTER_FILES[0]
+        or entry.name == ADAPTER_WEIGHTS
     ]
 
 
 def foreign_checkpoints(output_dir: Path, run_id: str | None) -> list[Path]:
     """Readable checkpoints in output_dir that belong to a run other than `run_id`."""
-    found = []
-    for _, folder in list_checkpoints(output_dir):
-        try:
-            if checkpoint_run(folder) != run_id:
-                found.append(folder)
-        except QLoraError:
-            continue
-    return found
+    return [folder for _, folder, owner in readable_checkpoints(output_dir) if owner != run_id]
 
 
 def check_new_run(output_dir: Path, overwrite: bool) -> None:
@@ -206,7 +200,7 @@ def preflight(output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise QLoraError(f"output_dir {output_dir} cannot be created: {describe(err, output_dir)}") from None
-    probe = output_dir / f".qlora-write-test-{os.getpid()}"
+    probe = output_dir / f"{WRITE_PROBE_PREFIX}{os.getpid()}"
     try:
         with open(probe, "wb") as f:
             f.write(b"qlora")
@@ -220,15 +214,8 @@ def preflight(output_dir: Path) -> None:
 
 
 def adapter_bytes(spec: ModelSpec, config: TrainConfig) -> int:
-    """Size of the saved adapter: fp32 LoRA A and B of every targeted projection, plus trained norms."""
-    shapes = spec.projection_shapes()
-    lora = sum(
-        config.lora_r * (out + inp) for name, (out, inp) in shapes.items() if name in config.target_modules
-    )
-    norms = 0
-    if config.train_norms:
-        norms = 2 * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
-    return 4 * ((lora + norms) * spec.num_layers + (spec.hidden_size if config.train_norms else 0))
+    """Size of the saved adapter: every trained weight in fp32."""
+    return 4 * lora_config(config).trained_weights(spec)
 
 
 def space_needed(spec: ModelSpec, config: TrainConfig) -> int:

@@ -111,8 +111,12 @@ class ModelSpec:
     layout: str = TEXT_LAYOUT
 
     def __post_init__(self):
-        if not self.layer_types:
+        # A spec of attention layers only may be copied with another num_layers (dataclasses.replace);
+        # its layer kinds follow. A hybrid's must be given whole.
+        if set(self.layer_types) <= {FULL_ATTENTION} and len(self.layer_types) != self.num_layers:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:
@@ -379,10 +383,12 @@ def _skipped_part(stored: str) -> str | None:
 @dataclass(frozen=True)
 class TensorLocations:
     """Where each tensor the spec needs is stored: file → {streamed name: name in the file}, in
-    stream order; and how many tensors of each skipped part (vision tower, MTP) were left unread."""
+    stream order; how many tensors of each skipped part (vision tower, MTP) were left unread, and
+    their stored names file by file (a merged export carries them over)."""
 
     by_file: dict[Path, dict[str, str]]
     skipped: dict[str, int] = field(default_factory=dict)
+    skipped_by_file: dict[Path, list[str]] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -402,12 +408,14 @@ def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
     by_file: dict[Path, dict[str, str]] = {}
     stored_as: dict[str, str] = {}
     skipped: dict[str, int] = {}
+    skipped_by_file: dict[Path, list[str]] = {}
     for file in files:
         with _open(file) as f:
             for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 part = _skipped_part(stored)
                 if part is not None:
                     skipped[part] = skipped.get(part, 0) + 1
+                    skipped_by_file.setdefault(file, []).append(stored)
                     continue
                 name = canonical_name(stored)
                 if name not in expected:
@@ -426,7 +434,7 @@ def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise QLoraError(f"checkpoint is missing tensor {missing[0]}{more}")
-    return TensorLocations(by_file, skipped)
+    return TensorLocations(by_file, skipped, skipped_by_file)
 
 
 def locate_tensors(folder: Path, spec: ModelSpec) -> TensorLocations:
@@ -436,16 +444,30 @@ def locate_tensors(folder: Path, spec: ModelSpec) -> TensorLocations:
     return check_tensors(shard_files(folder), spec)
 
 
+def _read(f, file: Path, stored: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(stored)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise QLoraError(f"{file}: cannot read tensor {stored} (truncated or corrupt?): {err}") from None
+
+
 def stream_tensors(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor the spec needs, one at a time, shard by shard, named as a
     causal LM names them (`model.layers.N....`) whatever the checkpoint's layout."""
     for file, names in locate_tensors(folder, spec).by_file.items():
         with _open(file) as f:
             for name, stored in names.items():
-                try:
-                    tensor = f.get_tensor(stored)
-                except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-                    raise QLoraError(
-                        f"{file}: cannot read tensor {stored} (truncated or corrupt?): {err}"
-                    ) from None
-                yield name, tensor
+                yield name, _read(f, file, stored)
+
+
+def stream_checkpoint(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """Yield (name in the checkpoint, name as stream_tensors gives it, tensor) for the tensors the spec
+    needs and those of the skipped parts (whose second name is None), one at a time, shard by shard: the
+    checkpoint in its own layout, for a writer that keeps it."""
+    locations = locate_tensors(folder, spec)
+    for file in dict.fromkeys([*locations.by_file, *locations.skipped_by_file]):
+        with _open(file) as f:
+            for name, stored in locations.by_file.get(file, {}).items():
+                yield stored, name, _read(f, file, stored)
+            for stored in locations.skipped_by_file.get(file, []):
+                yield stored, None, _read(f, file, stored)

@@ -1,9 +1,9 @@
 """Data parallelism over processes that torchrun starts: who this process is, and the few exchanges a run needs.
 
-Every rank builds the same model and batch plan. Optimizer step s reads the global micro-batches
-s·A·N … s·A·N + A·N − 1 (A = gradient_accumulation_steps, N = world size), and rank r takes those whose
-offset in the step is r, r + N, r + 2N, …: N processes consume per step exactly what one process would
-with A·N accumulation. DDP all-reduces the LoRA gradients; a few scalars per step (trained tokens, loss,
+Every rank builds the same model and batch plan. Optimizer step s reads the next A·N micro-batches of
+its epoch (A = gradient_accumulation_steps, N = world size; the epoch's last step those left), and rank r
+takes those whose offset in the step is r, r + N, r + 2N, …: N processes consume per step exactly what
+one process would with A·N accumulation. DDP all-reduces the LoRA gradients; a few scalars per step (trained tokens, loss,
 a stop request) are summed across ranks. Rank 0 alone writes files. Outside torchrun there is no process
 group and every call here is a no-op, so a single process trains exactly as it always did.
 """
@@ -130,10 +130,10 @@ class Distributed:
 
     # ----- which data this rank reads -----
 
-    def micro_batches(self, step: int, accumulation: int) -> list[int]:
-        """The global micro-batch numbers this rank reads in optimizer step `step` (0-based)."""
-        first = step * accumulation * self.world_size
-        return [first + j * self.world_size + self.rank for j in range(accumulation)]
+    def micro_batches(self, step_indices: range) -> range:
+        """This rank's share of the micro-batches an optimizer step reads; in an epoch's last step it
+        may be empty."""
+        return step_indices[self.rank :: self.world_size]
 
     def shard(self, count: int) -> range:
         """This rank's share of `count` items (evaluation batches): r, r + N, r + 2N, …"""

@@ -26,7 +26,8 @@ from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, W
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
-from qlora_cli.rundir.folder import ADAPTER_FILES, latest_checkpoint, owned_output_dir, usable_checkpoint
+from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.train.run import Run, build_run
@@ -127,7 +128,7 @@ class MetricWindow:
             "loss": self.loss_sum / max(1, self.trained_tokens),
             "lr": learning_rate(run.config, done - 1, run.total_steps),
             "grad_norm": grad_norm,
-            "epoch": round(done * batches_per_step / run.train_plan.num_batches, 4),
+            "epoch": round(run.train_plan.epochs_done(done, batches_per_step), 4),
             "trained_tokens": self.trained_tokens,
             "input_tokens": self.input_tokens,
             "seconds": elapsed,
@@ -147,12 +148,14 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
     No RNG state: training draws nothing from torch's generators (LoRA dropout hashes a seed made from
     the run's seed and the micro-batch, qlora_cli/train/step.py), so the step alone places a resumed run."""
     plan, dist = run.train_plan, run.dist
-    epoch, index = divmod(step * run.config.gradient_accumulation_steps * dist.world_size, plan.num_batches)
+    epoch, index = divmod(
+        step, plan.steps_per_epoch(run.config.gradient_accumulation_steps * dist.world_size)
+    )
     state = {
         "step": step,
         "total_steps": run.total_steps,
         "epoch": epoch,
-        "batch_index": index,
+        "batch_index": index * run.config.gradient_accumulation_steps * dist.world_size,
         "world_size": dist.world_size,
         "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
         "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
@@ -160,7 +163,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "trackers": trackers.state(),
         "run_id": run.run_id,
     }
-    folder = Path(run.config.output_dir) / f"checkpoint-{step}"
+    folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
         folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
         trackers.saved(folder, step)
@@ -253,7 +256,7 @@ def _train(
     if resume_from is not None:
         check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
-    with RunOutput(console, output_dir / "train.log" if dist.is_main else None) as out, trackers:
+    with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out)
         if dist.is_main:
             trackers.start(output_dir, start, tracker_state, warn=out.print)
@@ -329,7 +332,7 @@ def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
     """Rank 0 writes metrics.jsonl; a resumed run drops the lines past its checkpoint's step."""
     if not run.dist.is_main:
         return None
-    return MetricsLog(Path(run.config.output_dir) / "metrics.jsonl", resumed_at)
+    return MetricsLog(Path(run.config.output_dir) / METRICS_FILE, resumed_at)
 
 
 def _run_step(

@@ -18,13 +18,14 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.data.examples import BatchPlan, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.planner import layers_to_checkpoint, offloads_activations
+from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
 from qlora_cli.model.settings import compute_dtype, lora_config, select_device
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.run_tokenizer import run_tokenizer
-from qlora_cli.sources.weights import locate_tensors, read_spec
+from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
 
@@ -95,115 +96,38 @@ def build_run(
     micro-batches (a profile times ops one by one). check_space: before any weights load, make sure
     output_dir has room for the checkpoints and adapter of this model."""
     dist = dist or Distributed(device=select_device(config.device))
-    device = dist.device
-    dtype = compute_dtype(config, device)
+    # The base's shape comes first and alone: the space and length checks need it, and must refuse
+    # before anything heavy is read.
     folder = resolve_model(config.base_model, config.revision)
     spec = read_spec(folder)
     if check_space:
         check_free_space(Path(config.output_dir), space_needed(spec, config))
     config = portable_config(config, folder)
-    if config.sequence_len > spec.max_position_embeddings:
-        raise QLoraError(
-            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-            f"of {spec.max_position_embeddings} (max_position_embeddings)"
-        )
+    _check_sequence_len(config, spec)
     tokenizer = run_tokenizer(folder, config)
     notes = list(config.notes)
     if (skipped := locate_tensors(folder, spec).note()) is not None:
         notes.append(skipped)
-    start_adapter = None
-    if config.lora_model_dir is not None:
-        saved, start_adapter = read_peft_adapter(resolve_model(config.lora_model_dir))
-        config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
-        notes += adopted
+    # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
+    config, start_adapter = _start_adapter(config, notes)
     data_start = time.perf_counter()
-    data = prepare_data(config, tokenizer)
-    config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
-    notes += data.notes()
-    train_examples, eval_examples = data.train, data.validation
-    plan_args = dict(
-        micro_batch_size=config.micro_batch_size,
-        sequence_len=config.sequence_len,
-        sample_packing=config.sample_packing,
-        seed=config.seed,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    train_plan = BatchPlan(train_examples, **plan_args)
-    eval_packing = config.sample_packing if config.eval_sample_packing is None else config.eval_sample_packing
-    eval_plan = (
-        BatchPlan(eval_examples, **{**plan_args, "sample_packing": eval_packing}) if eval_examples else None
-    )
+    config, train_plan, eval_plan = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
-    batches_per_step = train_plan.num_batches / (config.gradient_accumulation_steps * dist.world_size)
-    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * batches_per_step))
-    steps_per_epoch = max(1, math.ceil(batches_per_step))
-    eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
-    if eval_every and eval_plan is None:
-        notes.append("no validation set (val_set_size is 0): nothing to evaluate")
-    tokens_per_micro_batch = config.micro_batch_size * config.sequence_len
-    offload_setting = config.activation_offloading
-    if dist.world_size > 1 and offload_setting:
-        if offload_setting is True:
-            notes.append(
-                "activation_offloading: not with several processes yet (DDP's gradient hooks do not "
-                "follow an offloaded layer's own backward); recomputed layers keep their input on the GPU"
-            )
-        offload_setting = False
-    offload = offloads_activations(
-        offload_setting,
-        config.gradient_checkpointing,
-        spec,
-        tokens_per_micro_batch,
-        config.memory_budget_gb,
-        config.lora_r,
-        device.type,
-        config.lora_dropout,
-    )
-    checkpointed = layers_to_checkpoint(
-        config.gradient_checkpointing,
-        spec,
-        tokens_per_micro_batch,
-        config.memory_budget_gb,
-        config.lora_r,
-        config.lora_dropout,
-        offload=offload,
-    )
-    if offload and not checkpointed:
-        notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
-        offload = False
+    # The schedule counts the train plan's batches; the memory plan decides how the model is built.
+    total_steps, eval_every, save_every = _schedule(config, train_plan, eval_plan, dist.world_size, notes)
+    plan = _plan_memory(config, spec, dist.world_size, dist.device, notes)
     model_start = time.perf_counter()
-    model = QLoRAModel.from_pretrained(
-        folder,
-        quantize=config.quantize,
-        lora=lora_config(config),
-        device=device,
-        dtype=dtype,
-        attention_backend=config.attention,
-        checkpoint_layers=checkpointed,
-        offload_activations=offload,
-        seed=config.seed,
-    )
-    if start_adapter is not None:
-        load_adapter_state(model, start_adapter, config.lora_model_dir)
-    model.train()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    model = _setup_model(config, folder, dist.device, plan, start_adapter)
     model_s = time.perf_counter() - model_start
-    optimizer = torch.optim.AdamW(
-        model.trainable_parameters(),
-        lr=config.learning_rate,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_epsilon,
-        weight_decay=config.weight_decay,
-        fused=config.optimizer == "adamw_torch_fused",
-    )
+    # The optimizer holds the model's trainable parameters; graphs replay the wrapped model's loss.
+    optimizer = _setup_optimizer(config, model)
     loss_module = dist.wrap(model)
     graphed = None
     if not eager:
-        graphed = graphed_loss_for(config, loss_module, device, spec.vocab_size, dist.world_size)
+        graphed = graphed_loss_for(config, loss_module, dist.device, spec.vocab_size, dist.world_size)
     return Run(
         config=config,
-        device=device,
+        device=dist.device,
         model=model,
         optimizer=optimizer,
         train_plan=train_plan,
@@ -214,8 +138,138 @@ def build_run(
         loss_module=loss_module,
         graphed=graphed,
         eval_every=eval_every,
-        save_every=_every(config.save_steps, config.saves_per_epoch, steps_per_epoch),
+        save_every=save_every,
         startup_s={"data": data_s, "model": model_s},
+    )
+
+
+def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
+    if config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+        )
+    # Within a window as long as the row, sliding-window attention is plain causal attention.
+    if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
+        raise QLoraError(
+            f"sliding_window {spec.sliding_window} < sequence_len {config.sequence_len}: qlora's attention "
+            f"has no sliding window; set sequence_len <= {spec.sliding_window}"
+        )
+
+
+def _start_adapter(
+    config: TrainConfig, notes: list[str]
+) -> tuple[TrainConfig, dict[str, torch.Tensor] | None]:
+    """The tensors of the adapter lora_model_dir names (None without one), and the config in its shape."""
+    if config.lora_model_dir is None:
+        return config, None
+    saved, tensors = read_peft_adapter(resolve_model(config.lora_model_dir))
+    config, adopted = adopt_adapter_shape(config, saved, config.lora_model_dir)
+    notes += adopted
+    return config, tensors
+
+
+def _setup_data(
+    config: TrainConfig, tokenizer: ChatTokenizer, notes: list[str]
+) -> tuple[TrainConfig, BatchPlan, BatchPlan | None]:
+    """The examples planned into micro-batches, and the config naming the datasets as they were pinned."""
+    data = prepare_data(config, tokenizer)
+    config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
+    notes += data.notes()
+    plan_args = dict(
+        micro_batch_size=config.micro_batch_size,
+        sequence_len=config.sequence_len,
+        sample_packing=config.sample_packing,
+        seed=config.seed,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    train_plan = BatchPlan(data.train, **plan_args)
+    eval_packing = config.sample_packing if config.eval_sample_packing is None else config.eval_sample_packing
+    eval_plan = (
+        BatchPlan(data.validation, **{**plan_args, "sample_packing": eval_packing})
+        if data.validation
+        else None
+    )
+    return config, train_plan, eval_plan
+
+
+def _schedule(
+    config: TrainConfig, train_plan: BatchPlan, eval_plan: BatchPlan | None, world_size: int, notes: list[str]
+) -> tuple[int, int | None, int | None]:
+    """(total optimizer steps, steps between evaluations, steps between saves)."""
+    # An epoch's last step takes the micro-batches left, so no step spans two epochs.
+    steps_per_epoch = train_plan.steps_per_epoch(config.gradient_accumulation_steps * world_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
+    if eval_every and eval_plan is None:
+        notes.append("no validation set (val_set_size is 0): nothing to evaluate")
+    return total_steps, eval_every, _every(config.save_steps, config.saves_per_epoch, steps_per_epoch)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    checkpoint_layers: int  # layers, from the first, that recompute in backward
+    offload_activations: bool  # whether their inputs wait in host memory
+
+
+def _plan_memory(
+    config: TrainConfig, spec: ModelSpec, world_size: int, device: torch.device, notes: list[str]
+) -> MemoryPlan:
+    """How the model keeps its activations, from the config's settings and memory budget."""
+    shape = RunShape(
+        config.micro_batch_size * config.sequence_len, lora_config(config), config.memory_budget_gb
+    )
+    offload_setting = config.activation_offloading
+    if world_size > 1 and offload_setting:
+        if offload_setting is True:
+            notes.append(
+                "activation_offloading: not with several processes yet (DDP's gradient hooks do not "
+                "follow an offloaded layer's own backward); recomputed layers keep their input on the GPU"
+            )
+        offload_setting = False
+    offload = offloads_activations(offload_setting, config.gradient_checkpointing, spec, shape, device.type)
+    checkpointed = layers_to_checkpoint(config.gradient_checkpointing, spec, shape, offload=offload)
+    if offload and not checkpointed:
+        notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
+        offload = False
+    return MemoryPlan(checkpointed, offload)
+
+
+def _setup_model(
+    config: TrainConfig,
+    folder: Path,
+    device: torch.device,
+    plan: MemoryPlan,
+    start_adapter: dict[str, torch.Tensor] | None,
+) -> QLoRAModel:
+    """The base loaded (quantized unless the config says not) with a fresh adapter or the starting one."""
+    model = QLoRAModel.from_pretrained(
+        folder,
+        quantize=config.quantize,
+        lora=lora_config(config),
+        device=device,
+        dtype=compute_dtype(config, device),
+        attention_backend=config.attention,
+        checkpoint_layers=plan.checkpoint_layers,
+        offload_activations=plan.offload_activations,
+        seed=config.seed,
+    )
+    if start_adapter is not None:
+        load_adapter_state(model, start_adapter, config.lora_model_dir)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return model
+
+
+def _setup_optimizer(config: TrainConfig, model: QLoRAModel) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.trainable_parameters(),
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+        fused=config.optimizer == "adamw_torch_fused",
     )
 
 

@@ -82,21 +82,28 @@ def clear_gradients(optimizer: torch.optim.Optimizer, graphed: GraphedLoss | Non
 
 
 def train_step(run: Run, step: int) -> StepLoss:
-    """The forward and backward of optimizer step `step` over `gradient_accumulation_steps` micro-batches.
+    """The forward and backward of optimizer step `step` over `gradient_accumulation_steps` micro-batches,
+    or over those left in the epoch when it is the epoch's last step.
 
     The loss is normalised by the trained tokens of the whole accumulated batch, so accumulation
-    gives the same update as one large batch. Under DDP the batch is every rank's micro-batches and
-    DDP averages gradients over ranks, so each rank scales its loss by the world size.
+    gives the same update as one large batch, a short last step included. Under DDP the batch is every
+    rank's micro-batches and DDP averages gradients over ranks, so each rank scales its loss by the
+    world size; a rank left without a micro-batch runs an untrained one to join the exchange.
     """
     config, plan, dist = run.config, run.train_plan, run.dist
     with region(Op.DATA):
-        indices = dist.micro_batches(step, config.gradient_accumulation_steps)
-        batches = [plan.batch(*divmod(index, plan.num_batches)) for index in indices]
+        epoch, step_indices = plan.step_micro_batches(
+            step, config.gradient_accumulation_steps * dist.world_size
+        )
+        indices = dist.micro_batches(step_indices)
+        batches = [plan.batch(epoch, index) for index in indices]
+        if not batches:
+            indices, batches = range(1), [plan.batch(epoch, 0).untrained()]
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
     scale = dist.world_size / max(1, trained)
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
     for i, (index, batch) in enumerate(zip(indices, batches, strict=True)):
-        run.model.set_dropout_seed(dropout_seed(config.seed, index))
+        run.model.set_dropout_seed(dropout_seed(config.seed, epoch * plan.num_batches + index))
         if run.graphed is None:
             with region(Op.DATA):
                 batch = batch.to(run.device)

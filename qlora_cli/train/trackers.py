@@ -18,8 +18,7 @@ import yaml
 from qlora_cli.config.loading import config_to_dict
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, RunInterrupted
-
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+from qlora_cli.rundir.names import ADAPTER_FILES
 
 
 def _require(module: str, extra: str, key: str) -> ModuleType:

@@ -1,0 +1,208 @@
+"""Shared memory, registers and spills of every delta-rule and conv1d Triton kernel, compiled for a
+GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
+shared memory per block) and how many blocks share an SM.
+
+Usage: python -m benchmarks.kernel_resources [--arch 90] [--shape 9b ...]
+Runs the real launchers (forward, backward, decode step) on meta tensors with every
+JITFunction.run intercepted, so each kernel is compiled with exactly the arguments, constexprs,
+num_warps and num_stages its launcher passes (no device needed; Triton ships ptxas). Pointers are
+16-byte aligned and integers divisible by 16 are marked so, and integers equal to 1 become
+constants, as Triton's launcher specialises them. Registers and spills come from `ptxas -v` on the
+generated PTX. A kernel that exceeds the target's shared memory is flagged "OVER". --kernels picks
+kernels by name and --warps / --stages try other launch settings on them without editing a launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.runtime.jit import JITFunction
+
+from qlora_kernels import conv1d, delta_rule
+
+# Per block, by compute capability (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
+
+# (k-heads, v-heads, head dim) of Qwen3.5's Gated DeltaNet layers; "tests" is the interpreter tests' shape.
+SHAPES = {
+    "9b": (16, 32, 128, 128),
+    "27b": (16, 48, 128, 128),
+    "0.8b": (16, 16, 128, 128),
+    "tests": (2, 4, 24, 40),
+}
+BATCH, SEQ, CONV_WIDTH = 2, 2048, 4
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int32: "*i32",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Every fn[grid](...) in the block is recorded instead of run."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def _signature(launch: Launch):
+    names = launch.kernel.arg_names
+    values = dict(zip(names, launch.args, strict=False))
+    values.update({k: v for k, v in launch.kwargs.items() if k in names})
+    options = {k: v for k, v in launch.kwargs.items() if k not in names}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value = values[name]
+        if launch.kernel.params[i].is_constexpr or (type(value) is int and value == 1):
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    return signature, constexprs, attrs, options
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill bytes stored) from ptxas -v."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        log = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", source.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return registers, int(spills.group(1)) if spills else 0
+
+
+def compile_launch(launch: Launch, arch: int) -> dict:
+    signature, constexprs, attrs, options = _signature(launch)
+    source = triton.compiler.ASTSource(
+        fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    registers, spills = _ptxas_usage(compiled.asm["ptx"], arch)
+    return {
+        "kernel": launch.kernel.__name__,
+        "warps": compiled.metadata.num_warps,
+        "stages": compiled.metadata.num_stages,
+        "shared": compiled.metadata.shared,
+        "registers": registers,
+        "spills": spills,
+        "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
+    }
+
+
+def _meta(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_(grad)
+
+
+def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[Launch]:
+    """One forward + backward with an initial and a final state, on a packed row, and one decode step."""
+    q, k = _meta(BATCH, SEQ, k_heads, k_dim, grad=True), _meta(BATCH, SEQ, k_heads, k_dim, grad=True)
+    v = _meta(BATCH, SEQ, v_heads, v_dim, grad=True)
+    g = _meta(BATCH, SEQ, v_heads, dtype=torch.float32, grad=True)
+    beta = _meta(BATCH, SEQ, v_heads, grad=True)
+    state = _meta(BATCH, v_heads, k_dim, v_dim, dtype=torch.float32, grad=True)
+    docs = _meta(BATCH, SEQ, dtype=torch.int32)
+    with recorded_launches() as launches:
+        o, final = delta_rule.GatedDeltaRuleFunction.apply(
+            q, k, v, g, beta, docs, state, k_dim**-0.5, True, True
+        )
+        torch.autograd.grad(
+            (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
+        )
+        step_state = _meta(BATCH, v_heads, k_dim, v_dim, dtype=torch.float32)
+        delta_rule._step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], step_state, k_dim**-0.5, True)
+    return launches
+
+
+def conv1d_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[Launch]:
+    """Forward, backward and decode step over the q, k, v channels the delta rule's convolution sees."""
+    channels = 2 * k_heads * k_dim + v_heads * v_dim
+    x = _meta(BATCH, SEQ, channels, grad=True)
+    weight, bias = _meta(channels, CONV_WIDTH, grad=True), _meta(channels, grad=True)
+    docs = _meta(BATCH, SEQ, dtype=torch.int32)
+    with recorded_launches() as launches:
+        y = conv1d.CausalConv1dFunction.apply(x, weight, bias, docs, "silu")
+        torch.autograd.grad(y, (x, weight, bias), torch.empty_like(y))
+        conv_state = _meta(BATCH, channels, CONV_WIDTH - 1)
+        conv1d._conv_step(x[:, 0], conv_state, weight, bias, "silu")
+    return launches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    parser.add_argument("--shape", choices=SHAPES, nargs="+", default=["9b"])
+    parser.add_argument("--kernels", nargs="+", help="only kernels whose names contain one of these")
+    parser.add_argument("--warps", type=int, help="compile the chosen kernels with this num_warps instead")
+    parser.add_argument("--stages", type=int, help="compile the chosen kernels with this num_stages instead")
+    args = parser.parse_args()
+    limit = SHARED_LIMIT.get(args.arch)
+    print(f"triton {triton.__version__}, sm_{args.arch}, shared memory limit {limit} bytes per block")
+    for shape in args.shape:
+        print(f"\n{shape}: (Hk, Hv, Dk, Dv) = {SHAPES[shape]}, B x T = {BATCH} x {SEQ}")
+        print(
+            f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>5} {'spills':>6}  constexprs"
+        )
+        seen = set()
+        for launch in delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]):
+            name = launch.kernel.__name__
+            if args.kernels and not any(part in name for part in args.kernels):
+                continue
+            key = (name, tuple(sorted((k, str(v)) for k, v in launch.kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            overrides = {"num_warps": args.warps, "num_stages": args.stages}
+            launch.kwargs.update({k: v for k, v in overrides.items() if v is not None})
+            row = compile_launch(launch, args.arch)
+            over = "  OVER" if limit and row["shared"] > limit else ""
+            print(
+                f"{row['kernel']:<26} {row['warps']:>5} {row['stages']:>6} {row['shared']:>8} "
+                f"{row['registers']:>5} {row['spills']:>6}  {row['constexprs']}{over}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
