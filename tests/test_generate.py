@@ -36,7 +36,6 @@ from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
 from qlora_kernels import nf4_matvec
-from qlora_kernels.nf4 import NF4Weight
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,15 +79,11 @@ WRITERS = {
 # tests of what the decoding computes).
 ATTENTION_ONLY = ["qwen3", "qwen2"]
 FAMILIES = [*ATTENTION_ONLY, "qwen3_5", "qwen3_5-vl"]
-# qlora's merged export of the VL layout names the text layout's tensors under the VL config, which
-# transformers does not read; that run keeps its base unquantized, and transformers runs the base.
-UNMERGED = {"qwen3_5-vl"}
 
 
 def random_run(folder: Path, kind: str = "qwen3") -> Path:
-    """A random tiny model with the demo tokenizer and a random NF4-trained adapter (plain LoRA for the
-    UNMERGED families): every token varies, so greedy decoding takes many different paths (a trained
-    demo this short repeats itself)."""
+    """A random tiny model with the demo tokenizer and a random NF4-trained adapter: every token varies,
+    so greedy decoding takes many different paths (a trained demo this short repeats itself)."""
     base = add_demo_tokenizer(WRITERS[kind](folder / "model", vocab_size=1024, max_position_embeddings=512))
     slow_decay(base)
     raw = {
@@ -98,10 +93,9 @@ def random_run(folder: Path, kind: str = "qwen3") -> Path:
         "device": "cpu",
         "output_dir": str(folder / "out"),
         **({"lora_target_modules": ["q_proj", "v_proj", "down_proj"]} if kind == "qwen2" else {}),
-        **({"adapter": "lora", "load_in_4bit": False} if kind in UNMERGED else {}),
     }
     config = config_from_dict(raw)
-    model = QLoRAModel.from_pretrained(base, quantize=config.quantize, lora=lora_config(config))
+    model = QLoRAModel.from_pretrained(base, quantize=True, lora=lora_config(config))
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for param in model.trainable_parameters():
@@ -188,18 +182,11 @@ def ours(run_cli, source: Path, out: Path, *args) -> list[dict]:
     return rows
 
 
-def check_equal_to_transformers(
-    source: Path, tmp_path: Path, run_cli, raw: bool, merged: bool = True
-) -> None:
-    """Against the merged export or, with merged False, against the base alone (--base-only)."""
+def check_equal_to_transformers(source: Path, tmp_path: Path, run_cli, raw: bool) -> None:
+    merged = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
     loaded = load_source(source, device="cpu")
-    if merged:
-        reference = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
-    else:
-        reference = Path(loaded.config.base_model)
-    expected = transformers_greedy(reference, raw, loaded.stop_ids)
-    options = [*(["--raw"] if raw else []), *([] if merged else ["--base-only"])]
-    rows = ours(run_cli, source, tmp_path / "out.jsonl", *options)
+    expected = transformers_greedy(merged, raw, loaded.stop_ids)
+    rows = ours(run_cli, source, tmp_path / "out.jsonl", *(["--raw"] if raw else []))
     assert len({length for length, _ in expected}) == len(PROMPTS)
     for row, (prompt_tokens, ids), prompt in zip(rows, expected, PROMPTS, strict=True):
         assert row["prompt"] == prompt
@@ -215,9 +202,8 @@ def test_trained_demo_equals_transformers_on_the_merged_export(demo_run, tmp_pat
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_random_adapter_equals_transformers_on_the_merged_export(family_run, request, tmp_path, run_cli, raw):
-    merged = request.node.callspec.params["family_run"] not in UNMERGED
-    check_equal_to_transformers(family_run, tmp_path, run_cli, raw, merged)
+def test_random_adapter_equals_transformers_on_the_merged_export(family_run, tmp_path, run_cli, raw):
+    check_equal_to_transformers(family_run, tmp_path, run_cli, raw)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len({row["completion"] for row in rows}) == len(PROMPTS)
     assert all(len(set(row["completion"])) > 3 for row in rows)
@@ -619,11 +605,11 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(family_run, monkeyp
         if interpret == "0":
             assert calls == {"kernel": 0, "dequantize": 0}
     groups = [group for layer in loaded.model.layers for group in layer.projections.values()]
-    nf4 = [sum(isinstance(w, NF4Weight) for w in group.weights) for group in groups]
+    weights = sum(len(group.weights) for group in groups)
     assert calls == (
-        {"kernel": 2 * sum(map(bool, nf4)), "dequantize": 0}
+        {"kernel": 2 * len(groups), "dequantize": 0}
         if rows == 1
-        else {"kernel": 0, "dequantize": 2 * sum(nf4)}
+        else {"kernel": 0, "dequantize": 2 * weights}
     )
     assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
 
