@@ -4,14 +4,17 @@ Usage: python -m benchmarks.generate [MODEL_DIR] [--shape qwen2.5-7b] [--layers 
        [--prompt-len 128] [--new-tokens 256] [--ttft-prompt-len 2048] [--runners qlora,hf,unsloth]
        [--json FILE]
 
-Without MODEL_DIR a random checkpoint of --shape (benchmarks/random_checkpoint.py; --layers shortens
-it) is written to a temporary folder. Every runner puts LoRA r 16 on all seven projections with
-random nonzero B on the NF4 base (double quantization, bf16 compute) and decodes exactly
+Without MODEL_DIR a random checkpoint of --shape (benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama,
+Mistral; benchmarks/random_checkpoint.py; --layers shortens it, a multiple of 4 keeps Qwen3.5's mix of
+Gated DeltaNet and attention layers) is written to a temporary folder. Every runner puts LoRA r 16 on
+every projection the model has with random nonzero B on the NF4 base (double quantization, bf16 compute) and decodes exactly
 --new-tokens per row, greedily, from random prompt ids, timed as benchmarks/generate_baselines.py
 times its stacks: one untimed warm-up, a generate of one token (time to first token), a generate of
 all tokens; decode_tokens_per_s = batch * new_tokens / that generate's time (prefill included).
-qlora runs in this process (KV cache, nf4_matvec steps replayed as a CUDA graph); each baseline in a
-subprocess of its own. Cases: each --batches value at --prompt-len, and batch 1 at
+qlora runs in this process (KV cache and Gated DeltaNet states, nf4_matvec steps replayed as a CUDA
+graph); each baseline in a subprocess of its own (HF's Qwen3.5 runs transformers' torch fallback
+where flash-linear-attention is not installed; Unsloth may not load every shape, and then reports
+its error). Cases: each --batches value at --prompt-len, and batch 1 at
 --ttft-prompt-len for the time to first token of a long prompt. Prints each result and the ratios
 (targets: batch 1 at least 5x HF+PEFT+bnb and 2x Unsloth; TTFT no more than HF's).
 """
@@ -31,7 +34,7 @@ import torch
 from benchmarks.generate_baselines import LORA_ALPHA, LORA_RANK, WARMUP_TOKENS, random_prompts
 from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import write_checkpoint
-from benchmarks.shapes import QWEN25
+from benchmarks.shapes import MODELS
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -54,6 +57,7 @@ def qlora_model(model_dir: Path, device: str = "cuda") -> QLoRAModel:
 def qlora_decode(model: QLoRAModel, batch: int, prompt_len: int, new_tokens: int) -> dict:
     engine = DecodingEngine(model)
     cuda = engine.decoder.device.type == "cuda"
+    prefill = "row-per-prompt" if model.spec.linear_attention else "packed"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     prompts = random_prompts(model.spec.vocab_size, batch, prompt_len, "cpu").tolist()
 
@@ -83,7 +87,7 @@ def qlora_decode(model: QLoRAModel, batch: int, prompt_len: int, new_tokens: int
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
-        "note": "qlora: packed prefill on the training kernels, nf4_matvec decode steps as a CUDA graph",
+        "note": f"qlora: {prefill} prefill on the training kernels, nf4_matvec decode steps as a CUDA graph",
     }
 
 
@@ -122,7 +126,7 @@ def ratios(case: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path, nargs="?", help="a checkpoint folder (default: random)")
-    parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25))
+    parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(MODELS))
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -4,8 +4,8 @@ Usage: python -m benchmarks.generate_baselines hf|unsloth MODEL_DIR [--adapter D
        [--prompt-len 128] [--new-tokens 256] [--json FILE]
 
 Both load MODEL_DIR (benchmarks/random_checkpoint.py writes one) in NF4 with double quantization
-and bf16 compute, put a LoRA adapter on it (the one in --adapter, else r 16 on all seven
-projections with random nonzero B, so LoRA really computes) and decode greedily from random
+and bf16 compute, put a LoRA adapter on it (the one in --adapter, else r 16 on every
+projection the model has, with random nonzero B, so LoRA really computes) and decode greedily from random
 prompt ids, exactly `--new-tokens` per row (min_new_tokens = max_new_tokens):
   - `hf`: transformers + bitsandbytes (BitsAndBytesConfig nf4) + PEFT, SDPA attention;
   - `unsloth`: FastLanguageModel.from_pretrained(load_in_4bit=True) + get_peft_model, then
@@ -31,8 +31,11 @@ import torch
 
 from benchmarks.bnb import load_nf4_model
 from benchmarks.output import add_json_option, write_json
+from qlora_cli.core.names import ALL_PROJECTIONS
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Every projection name qlora trains; PEFT puts LoRA on those the model has (Qwen3.5's linear-attention
+# layers have in_proj_qkv/z/b/a and out_proj instead of q/k/v/o).
+LORA_TARGETS = list(ALL_PROJECTIONS)
 LORA_RANK = 16
 LORA_ALPHA = 32
 WARMUP_TOKENS = 16
@@ -129,7 +132,7 @@ def attach_lora(model, adapter_dir: Path | None):
         return PeftModel.from_pretrained(model, str(adapter_dir)), f"adapter {adapter_dir.name}"
     model = get_peft_model(model, _lora_config())
     filled = randomize_lora_b(model)
-    return model, f"random LoRA r{LORA_RANK} on {len(LORA_TARGETS)} projections ({filled} B matrices)"
+    return model, f"random LoRA r{LORA_RANK} on every projection ({filled} B matrices)"
 
 
 def hf_peft_bnb_decode(
@@ -182,7 +185,7 @@ def unsloth_decode(
             random_state=0,
         )
         filled = randomize_lora_b(model)
-        lora = f"random LoRA r{LORA_RANK} on {len(LORA_TARGETS)} projections ({filled} B matrices)"
+        lora = f"random LoRA r{LORA_RANK} on every projection ({filled} B matrices)"
     FastLanguageModel.for_inference(model)
     result = time_generation(model, batch, prompt_len, new_tokens, "cuda")
     return result | {"note": f"Unsloth {unsloth.__version__}, for_inference, {lora}"}

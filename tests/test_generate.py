@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen2, write_qwen3, write_qwen3_5
+from checkpoints import (
+    DEMO_TOKENIZER,
+    add_demo_tokenizer,
+    load_transformers,
+    write_llama3_tokenizer,
+    write_qwen2,
+    write_qwen3,
+    write_qwen3_5,
+)
 from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import config_from_dict, load_config
@@ -20,10 +28,12 @@ from qlora_cli.export.command import export
 from qlora_cli.generate import command as generate_command
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
-from qlora_cli.generate.source import load_source
+from qlora_cli.generate.source import load_source, stop_ids
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.checkpoint import save_checkpoint
+from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
 from qlora_kernels import nf4_matvec
 
@@ -69,14 +79,10 @@ WRITERS = {
 # tests of what the decoding computes).
 ATTENTION_ONLY = ["qwen3", "qwen2"]
 FAMILIES = [*ATTENTION_ONLY, "qwen3_5", "qwen3_5-vl"]
-# qlora's merged export of the VL layout names the text layout's tensors under the VL config, which
-# transformers does not read; that run keeps its base unquantized, and transformers runs the base.
-UNMERGED = {"qwen3_5-vl"}
 
 
 def random_run(folder: Path, kind: str = "qwen3") -> Path:
-    """A random tiny model with the demo tokenizer and a random NF4-trained adapter (plain LoRA on the
-    UNMERGED ones): every token varies,
+    """A random tiny model with the demo tokenizer and a random NF4-trained adapter: every token varies,
     so greedy decoding takes many different paths (a trained demo this short repeats itself)."""
     base = add_demo_tokenizer(WRITERS[kind](folder / "model", vocab_size=1024, max_position_embeddings=512))
     slow_decay(base)
@@ -87,10 +93,9 @@ def random_run(folder: Path, kind: str = "qwen3") -> Path:
         "device": "cpu",
         "output_dir": str(folder / "out"),
         **({"lora_target_modules": ["q_proj", "v_proj", "down_proj"]} if kind == "qwen2" else {}),
-        **({"adapter": "lora", "load_in_4bit": False} if kind in UNMERGED else {}),
     }
     config = config_from_dict(raw)
-    model = QLoRAModel.from_pretrained(base, quantize=config.quantize, lora=lora_config(config))
+    model = QLoRAModel.from_pretrained(base, quantize=True, lora=lora_config(config))
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for param in model.trainable_parameters():
@@ -177,18 +182,11 @@ def ours(run_cli, source: Path, out: Path, *args) -> list[dict]:
     return rows
 
 
-def check_equal_to_transformers(
-    source: Path, tmp_path: Path, run_cli, raw: bool, merged: bool = True
-) -> None:
-    """Against the merged export or, with merged False, against the base alone (--base-only)."""
+def check_equal_to_transformers(source: Path, tmp_path: Path, run_cli, raw: bool) -> None:
+    merged = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
     loaded = load_source(source, device="cpu")
-    if merged:
-        reference = export(source, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
-    else:
-        reference = Path(loaded.config.base_model)
-    expected = transformers_greedy(reference, raw, loaded.stop_ids)
-    options = [*(["--raw"] if raw else []), *([] if merged else ["--base-only"])]
-    rows = ours(run_cli, source, tmp_path / "out.jsonl", *options)
+    expected = transformers_greedy(merged, raw, loaded.stop_ids)
+    rows = ours(run_cli, source, tmp_path / "out.jsonl", *(["--raw"] if raw else []))
     assert len({length for length, _ in expected}) == len(PROMPTS)
     for row, (prompt_tokens, ids), prompt in zip(rows, expected, PROMPTS, strict=True):
         assert row["prompt"] == prompt
@@ -204,9 +202,8 @@ def test_trained_demo_equals_transformers_on_the_merged_export(demo_run, tmp_pat
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_random_adapter_equals_transformers_on_the_merged_export(family_run, request, tmp_path, run_cli, raw):
-    merged = request.node.callspec.params["family_run"] not in UNMERGED
-    check_equal_to_transformers(family_run, tmp_path, run_cli, raw, merged)
+def test_random_adapter_equals_transformers_on_the_merged_export(family_run, tmp_path, run_cli, raw):
+    check_equal_to_transformers(family_run, tmp_path, run_cli, raw)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len({row["completion"] for row in rows}) == len(PROMPTS)
     assert all(len(set(row["completion"])) > 3 for row in rows)
@@ -370,6 +367,17 @@ def test_base_only_differs_from_the_adapter(run, tmp_path, run_cli):
     adapted = ours(run_cli, run, tmp_path / "a.jsonl")
     base = ours(run_cli, run, tmp_path / "b.jsonl", "--base-only")
     assert [r["completion"] for r in adapted] != [r["completion"] for r in base]
+
+
+def test_stop_tokens_are_the_declared_end_of_turn_else_the_probed_one_and_llama3s_other_ends(tmp_path):
+    write_llama3_tokenizer(tmp_path, 320)
+    llama = choose_template(ChatTokenizer.from_folder(tmp_path), "llama3", None)
+    # The vocabulary holds <|end_of_text|> but no <|eom_id|>.
+    assert stop_ids(llama, {}) == {llama.token_to_id(t) for t in ("<|eot_id|>", "<|end_of_text|>")}
+    demo = ChatTokenizer.from_folder(DEMO_TOKENIZER)
+    assert stop_ids(demo, {}) == {demo.token_to_id("<|im_end|>")}
+    declared = demo.with_chat_template(demo.chat_template, "a test", end_of_turn="<|endoftext|>")
+    assert stop_ids(declared, {}) == {demo.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
 
 
 def error_line(result) -> str:

@@ -24,6 +24,9 @@ from qlora_cli.sources.tokenizer import ChatTokenizer
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 _PROBE = "\ue000qlora-answer\ue001"
+# Llama 3 closes a chat turn with <|eot_id|>, a tool call's turn with <|eom_id|> and a text with
+# <|end_of_text|>; a model may end its answer with any of them.
+_ALSO_ENDS = {"<|eot_id|>": ("<|eom_id|>", "<|end_of_text|>")}
 
 
 @dataclass
@@ -86,8 +89,11 @@ def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:
     return dataset_template(tokenizer, config.datasets[0], config)
 
 
-def end_of_turn_id(tokenizer: ChatTokenizer, variables: dict) -> int | None:
-    """The special token the chat template closes an assistant turn with, if it has one."""
+def end_of_turn(tokenizer: ChatTokenizer, variables: dict) -> str | None:
+    """The special token that closes an assistant turn: the one a shipped template declares, else the
+    first special token the chat template writes after an assistant's answer, if it writes one."""
+    if tokenizer.end_of_turn is not None:
+        return tokenizer.end_of_turn
     if tokenizer.chat_template is None:
         return None
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
@@ -97,7 +103,14 @@ def end_of_turn_id(tokenizer: ChatTokenizer, variables: dict) -> int | None:
         return None
     after = text[text.find(_PROBE) + len(_PROBE) :] if _PROBE in text else ""
     found = [(after.find(t), t) for t in tokenizer.special_tokens if t in after]
-    return tokenizer.token_to_id(min(found)[1]) if found else None
+    return min(found)[1] if found else None
+
+
+def stop_ids(tokenizer: ChatTokenizer, variables: dict) -> set[int]:
+    """eos, the end of a turn, and the other ends of a turn's family that the vocabulary holds."""
+    turn_end = end_of_turn(tokenizer, variables)
+    ends = [tokenizer.eos_token, *([turn_end, *_ALSO_ENDS.get(turn_end, ())] if turn_end else [])]
+    return {id_ for id_ in map(tokenizer.token_to_id, ends) if id_ is not None}
 
 
 def load_source(source: Path, *, base_only: bool = False, device: str = "auto") -> GenerationSource:
@@ -122,9 +135,12 @@ def load_source(source: Path, *, base_only: bool = False, device: str = "auto") 
         load_adapter_state(model, adapter, str(checkpoint / ADAPTER_WEIGHTS))
     model.eval().requires_grad_(False)
     variables = dict(config.chat_template_kwargs)
-    stop_ids = {tokenizer.eos_token_id}
-    if (end_of_turn := end_of_turn_id(tokenizer, variables)) is not None:
-        stop_ids.add(end_of_turn)
     return GenerationSource(
-        model, tokenizer, config, checkpoint, variables, stop_ids, time.perf_counter() - started
+        model,
+        tokenizer,
+        config,
+        checkpoint,
+        variables,
+        stop_ids(tokenizer, variables),
+        time.perf_counter() - started,
     )
