@@ -58,9 +58,12 @@ STEPS = 3
 
 
 def make_run(folder: Path, kind: str, *, writer=None, **settings) -> Path:
-    """A base model (written by `writer`, else the tiny model of `kind`) and one checkpoint with random
-    LoRA A and B (and norms, if trained); returns output_dir."""
-    base = add_demo_tokenizer((writer or WRITERS[kind])(folder / "model"))
+    """A base model (written by `writer`, else the tiny model of `kind`; with its family's tokenizer, or
+    the demo's where the writer gives none) and one checkpoint with random LoRA A and B (and norms, if
+    trained); returns output_dir."""
+    base = (writer or WRITERS[kind])(folder / "model")
+    if not (base / "tokenizer.json").is_file():
+        add_demo_tokenizer(base)
     raw = {
         "base_model": str(base),
         "datasets": [{"path": "data/train.jsonl", "type": "alpaca"}],

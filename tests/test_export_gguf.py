@@ -14,18 +14,33 @@ elsewhere.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import REPO_ROOT, load_transformers, write_qwen2, write_qwen3
+from checkpoints import (
+    REPO_ROOT,
+    load_transformers,
+    write_llama,
+    write_mistral,
+    write_qwen2,
+    write_qwen3,
+    write_qwen3_5,
+)
 from test_export import make_run
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.command import export
-from qlora_cli.export.gguf.vocab import QWEN2_SPLIT
+from qlora_cli.export.gguf.vocab import (
+    LLAMA3_SPLIT,
+    QWEN2_SPLIT,
+    QWEN35_SPLIT,
+    TEKKEN_SPLIT,
+    pre_tokenizer_name,
+)
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
@@ -266,7 +281,7 @@ def _without_qwen_split(tokenizer: dict) -> None:
 
 def _with_other_split(tokenizer: dict) -> None:
     tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = QWEN2_SPLIT.replace(
-        r"\p{N}|", r"\p{N}{1,3}|"
+        r"\p{N}|", r"\p{N}{1,2}|"
     )
 
 
@@ -279,7 +294,7 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused(tmp_path, run_cl
     change(tokenizer)
     path.write_text(json.dumps(tokenizer))
     line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
-    assert "llama.cpp's 'qwen2' pre-tokenizer" in line
+    assert "after a split llama.cpp knows" in line and "would cut this one's text differently" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 
 
@@ -462,3 +477,219 @@ def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
     text = modelfile("m.gguf", _with_system_prompt('Fence code in """ like this.'))
     assert "SYSTEM" not in text and "# Left out: the default system prompt" in text
     assert "TEMPLATE" in text and 'PARAMETER stop "<|im_end|>"' in text
+
+
+# The families whose GGUF form differs from the checkpoint's: Qwen3.5 as Qwen3_5ForCausalLM saves it
+# (untied) and as published (vision-language, tied, with an MTP head); Llama with llama3 RoPE, and tied
+# with head_dim 32 unlike hidden / heads (16), as Mistral Small has (Mistral's own test tokenizer is a
+# SentencePiece one, which --gguf refuses below).
+FAMILIES = {
+    "qwen3_5": lambda folder: write_qwen3_5(folder),
+    "qwen3_5vl": lambda folder: write_qwen3_5(folder, layout="vl", tie=True, mtp=True),
+    "llama": lambda folder: write_llama(folder),
+    "llama-head_dim": lambda folder: write_llama(
+        folder, tie=True, head_dim=32, rope_scaling={"rope_type": "default", "rope_theta": 500000.0}
+    ),
+}
+
+
+def _tiled(heads: int, per_key: int) -> list[int]:
+    """Value head t of llama.cpp's order is value head j = (t % H_k) * r + t // H_k of transformers'."""
+    return [(t % heads) * per_key + t // heads for t in range(heads * per_key)]
+
+
+def _pairwise(heads: int, head_dim: int) -> list[int]:
+    """Row 2i of each head is row i, row 2i+1 is row i + head_dim / 2."""
+    return [h * head_dim + i // 2 + (i % 2) * head_dim // 2 for h in range(heads) for i in range(head_dim)]
+
+
+def _value_rows(spec, head_size: int) -> list[int]:
+    linear = spec.linear_attention
+    order = _tiled(linear.num_key_heads, linear.num_value_heads // linear.num_key_heads)
+    return [j * head_size + i for j in order for i in range(head_size)]
+
+
+def expected_gguf_tensors(spec, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's tensors for the merged model, spelt out independently of the writer."""
+    merged = {name.replace("model.language_model.", "model."): t for name, t in merged.items()}
+    expected = {"token_embd.weight": merged["model.embed_tokens.weight"]}
+    if "lm_head.weight" in merged:
+        expected["output.weight"] = merged["lm_head.weight"]
+    qwen35 = spec.linear_attention is not None
+
+    def norm(weight):
+        return weight + 1 if qwen35 else weight
+
+    expected["output_norm.weight"] = norm(merged["model.norm.weight"])
+    for n in range(spec.num_layers):
+        layer = {k.removeprefix(f"model.layers.{n}."): t for k, t in merged.items() if f"layers.{n}." in k}
+        blk = f"blk.{n}."
+        expected[blk + "attn_norm.weight"] = norm(layer["input_layernorm.weight"])
+        post = "post_attention_norm" if qwen35 else "ffn_norm"
+        expected[blk + post + ".weight"] = norm(layer["post_attention_layernorm.weight"])
+        for hf, name in [("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")]:
+            expected[f"{blk}{name}.weight"] = layer[f"mlp.{hf}.weight"]
+        if spec.layer_types[n] == "linear_attention":
+            linear = spec.linear_attention
+            v_rows = _value_rows(spec, linear.value_head_dim)
+            heads = _value_rows(spec, 1)
+            qkv_rows = list(range(2 * linear.key_dim)) + [2 * linear.key_dim + i for i in v_rows]
+            expected[blk + "attn_qkv.weight"] = layer["linear_attn.in_proj_qkv.weight"][qkv_rows]
+            expected[blk + "ssm_conv1d.weight"] = layer["linear_attn.conv1d.weight"][qkv_rows, 0, :]
+            expected[blk + "attn_gate.weight"] = layer["linear_attn.in_proj_z.weight"][v_rows]
+            expected[blk + "ssm_beta.weight"] = layer["linear_attn.in_proj_b.weight"][heads]
+            expected[blk + "ssm_alpha.weight"] = layer["linear_attn.in_proj_a.weight"][heads]
+            expected[blk + "ssm_a"] = -torch.exp(layer["linear_attn.A_log"][heads])
+            expected[blk + "ssm_dt.bias"] = layer["linear_attn.dt_bias"][heads]
+            expected[blk + "ssm_norm.weight"] = layer["linear_attn.norm.weight"]
+            expected[blk + "ssm_out.weight"] = layer["linear_attn.out_proj.weight"][:, v_rows]
+            continue
+        q, k = layer["self_attn.q_proj.weight"], layer["self_attn.k_proj.weight"]
+        if not qwen35:
+            q, k = q[_pairwise(spec.num_heads, spec.head_dim)], k[_pairwise(spec.num_kv_heads, spec.head_dim)]
+        expected[blk + "attn_q.weight"], expected[blk + "attn_k.weight"] = q, k
+        expected[blk + "attn_v.weight"] = layer["self_attn.v_proj.weight"]
+        expected[blk + "attn_output.weight"] = layer["self_attn.o_proj.weight"]
+        if spec.qk_norm:
+            expected[blk + "attn_q_norm.weight"] = norm(layer["self_attn.q_norm.weight"])
+            expected[blk + "attn_k_norm.weight"] = norm(layer["self_attn.k_norm.weight"])
+    return expected
+
+
+def llama3_rope_freqs(spec) -> torch.Tensor:
+    """llama.cpp converter's rope_freqs for llama3 RoPE, from rope_parameters: the factor each
+    frequency's angle is divided by."""
+    rope = spec.rope_scaling
+    old = rope.original_max_position_embeddings
+    base = torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim
+    factors = []
+    for freq in (1.0 / spec.rope_theta**base).tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < old / rope.high_freq_factor:
+            factors.append(1.0)
+        elif wavelength > old / rope.low_freq_factor:
+            factors.append(rope.factor)
+        else:
+            smooth = (old / wavelength - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / rope.factor + smooth))
+    return torch.tensor(factors)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_exports(request, tmp_path_factory):
+    """A run of each family (every projection adapted, norms trained), its fp32 merge and f16 GGUF."""
+    folder = tmp_path_factory.mktemp(request.param)
+    run = make_run(folder, request.param, writer=FAMILIES[request.param], train_norms=True)
+    merged = export(run, folder / "merged", merged=True, dtype="float32").out
+    result = export(run, folder / "gguf", gguf=True, gguf_type="f16")
+    return {"kind": request.param, "run": run, "merged": merged, "gguf": result.out / result.gguf_file}
+
+
+def _gguf_tensor(tensor) -> torch.Tensor:
+    data = torch.from_numpy(tensor.data.copy())
+    return data.view(torch.float16) if tensor.tensor_type.name == "F16" else data
+
+
+def test_gguf_tensors_are_the_merged_weights_in_llama_cpps_form(family_exports):
+    """Every tensor is the merged model's, transformed as llama.cpp reads it (zero-centred norms +1 but
+    the gated norm, A_log as -exp, value heads tiled, the conv squeezed; Llama's Q and K rows in
+    adjacent pairs), and nothing else is in the file but llama3's rope_freqs."""
+    from safetensors.torch import load_file
+
+    spec = read_spec(family_exports["run"].parent / "model")
+    merged = {}
+    for shard in family_exports["merged"].glob("model-*.safetensors"):
+        merged.update(load_file(shard))
+    expected = expected_gguf_tensors(spec, merged)
+    if spec.rope_scaling.rope_type == "llama3":
+        expected["rope_freqs.weight"] = llama3_rope_freqs(spec)
+    found = {t.name: t for t in gguf.GGUFReader(family_exports["gguf"]).tensors}
+    assert sorted(found) == sorted(expected)
+    for name, tensor in expected.items():
+        got = _gguf_tensor(found[name])
+        if name == "rope_freqs.weight":
+            assert torch.allclose(got, tensor, rtol=1e-6), (got, tensor)
+            continue
+        assert got.shape == tensor.shape, name
+        assert torch.equal(got, tensor.to(got.dtype)), name
+
+
+def test_gguf_metadata_is_what_llama_cpp_reads(family_exports):
+    fields, _ = read_gguf(family_exports["gguf"])
+    spec = read_spec(family_exports["run"].parent / "model")
+    qwen35 = spec.linear_attention is not None
+    arch = "qwen35" if qwen35 else "llama"
+    assert fields["general.architecture"] == arch
+    missing = [key.format(arch=arch) for key in REQUIRED_KEYS if key.format(arch=arch) not in fields]
+    assert missing == [] or missing == ["tokenizer.chat_template"] and not qwen35
+    assert fields[f"{arch}.attention.key_length"] == fields[f"{arch}.attention.value_length"] == spec.head_dim
+    assert fields[f"{arch}.rope.dimension_count"] == spec.rotary_dim
+    assert fields[f"{arch}.block_count"] == spec.num_layers
+    if qwen35:
+        linear = spec.linear_attention
+        assert spec.rotary_dim == spec.head_dim // 4 == 4
+        assert fields["qwen35.rope.dimension_sections"] == [1, 1, 0, 0]
+        assert fields["qwen35.full_attention_interval"] == 4
+        assert fields["qwen35.ssm.conv_kernel"] == linear.conv_kernel
+        assert fields["qwen35.ssm.state_size"] == linear.key_head_dim
+        assert fields["qwen35.ssm.group_count"] == linear.num_key_heads
+        assert fields["qwen35.ssm.time_step_rank"] == linear.num_value_heads
+        assert fields["qwen35.ssm.inner_size"] == linear.value_dim
+        assert fields["tokenizer.ggml.pre"] == "qwen2"  # the demo tokenizer's split
+        assert fields["tokenizer.ggml.add_bos_token"] is False
+    else:
+        assert fields["tokenizer.ggml.pre"] == "llama-bpe"
+        assert fields["tokenizer.ggml.add_bos_token"] is True
+        assert fields["tokenizer.ggml.bos_token_id"] == ChatTokenizer.from_folder(
+            family_exports["merged"]
+        ).token_to_id("<|begin_of_text|>")
+
+
+@pytest.mark.parametrize(
+    ("split", "name"),
+    [(QWEN2_SPLIT, "qwen2"), (QWEN35_SPLIT, "qwen35"), (LLAMA3_SPLIT, "llama-bpe"), (TEKKEN_SPLIT, "tekken")],
+)
+def test_each_known_split_gets_llama_cpps_name_for_it(split, name):
+    split_step = {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [split_step, byte_level]}) == name
+    split_step["pattern"]["Regex"] = split.replace(r"\s+(?!\S)", r"\s+(?!\s)")
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [split_step, byte_level]}) is None
+
+
+def test_a_sentencepiece_tokenizer_is_refused_in_one_line(tmp_path, run_cli):
+    run = make_run(tmp_path, "mistral", writer=write_mistral)
+    line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
+    assert "cannot export a SentencePiece tokenizer" in line and "tokenizer.model's scores" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_a_layer_pattern_llama_cpp_cannot_express_is_refused(tmp_path, run_cli):
+    layer_types = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    run = make_run(tmp_path, "qwen3_5", writer=lambda folder: write_qwen3_5(folder, layer_types=layer_types))
+    line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
+    assert "one full-attention layer every N layers" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf_type, tmp_path):
+    """llama.cpp's logits on the GGUF are the fp32 merge's, for Qwen3.5's hybrid layers and for the
+    llama architecture (llama3 RoPE through rope_freqs; a head_dim unlike hidden / heads)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = family_exports["gguf"]
+    if gguf_type != "f16":
+        result = export(family_exports["run"], tmp_path / "g", gguf=True, gguf_type=gguf_type)
+        path = result.out / result.gguf_file
+    spec = read_spec(family_exports["run"].parent / "model")
+    ids = torch.randint(0, spec.vocab_size - 8, (17,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = load_transformers(family_exports["merged"])(ids[None]).logits[0]
+        base = load_transformers(family_exports["run"].parent / "model")(ids[None]).logits[0]
+    llama = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    llama.eval(ids.tolist())
+    got = torch.from_numpy(llama.scores[: len(ids)].copy())
+    assert (got - expected).abs().max().item() < TOLERANCES[gguf_type]
+    assert (base - expected).abs().max().item() > 5 * TOLERANCES[gguf_type]

@@ -1,8 +1,11 @@
 """The tokenizer of a GGUF export: tokenizer.json's byte-level BPE as llama.cpp's 'gpt2' tokenizer model.
 
 llama.cpp does not run tokenizer.json's pre-tokenizer; it splits text with a built-in regex chosen by
-the file's `tokenizer.ggml.pre` name. Only a vocabulary that Qwen's own split feeds (the 'qwen2' name) is
-exported, so llama.cpp cuts text into the same pieces as the tokenizer the model trained with.
+the file's `tokenizer.ggml.pre` name. Only a vocabulary fed by a split llama.cpp has under a name (Qwen's,
+Qwen3.5's, Llama 3's, Mistral's Tekken) is exported, under that name, so llama.cpp cuts text into the
+same pieces as the tokenizer the model trained with. A SentencePiece vocabulary (Mistral 7B's) is
+refused: llama.cpp's 'llama' tokenizer merges by the scores in tokenizer.model, which tokenizer.json
+does not carry.
 """
 
 from __future__ import annotations
@@ -11,15 +14,38 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
-TOKENIZER_MODEL, PRE_TOKENIZER = "gpt2", "qwen2"
-# The split Qwen2, Qwen2.5 and Qwen3 tokenizers run before byte-level BPE (tokenizer.json's Split regex).
+TOKENIZER_MODEL = "gpt2"
+# Each split a byte-level BPE tokenizer runs first (tokenizer.json's Split regex), by llama.cpp's name for
+# it: Qwen2, Qwen2.5 and Qwen3; Qwen3.5 and 3.6 (combining marks join letters); Llama 3 and
+# DeepSeek-R1-Distill-Llama (digits in threes); Mistral Nemo and Small 3 (Tekken).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    QWEN2_SPLIT: "qwen2",
+    QWEN35_SPLIT: "qwen35",
+    LLAMA3_SPLIT: "llama-bpe",
+    TEKKEN_SPLIT: "tekken",
+}
 # gguf's TokenType values, named here so that this module needs no gguf import.
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
@@ -29,9 +55,12 @@ class Vocabulary:
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
+    pre_tokenizer: str
     eos_id: int
     pad_id: int
     bos_id: int | None
+    add_bos: bool
+    eot_id: int | None
     chat_template: str | None
 
 
@@ -42,33 +71,47 @@ def _read(path: Path) -> dict:
         raise QLoraError(f"{path}: cannot read ({err})") from None
 
 
-def _is_qwen_split(pre_tokenizer: dict | None) -> bool:
-    """tokenizer.json's pre-tokenizer is Qwen's regex split followed by a byte-level step without a regex."""
+def pre_tokenizer_name(pre_tokenizer: dict | None) -> str | None:
+    """llama.cpp's name for tokenizer.json's pre-tokenizer when it is a known regex split followed by a
+    byte-level step without a regex, else None."""
     steps = (pre_tokenizer or {}).get("pretokenizers") or []
     if (pre_tokenizer or {}).get("type") != "Sequence" or len(steps) != 2:
-        return False
+        return None
     split, byte_level = steps
-    return (
+    if not (
         split.get("type") == "Split"
-        and (split.get("pattern") or {}).get("Regex") == QWEN2_SPLIT
         and split.get("behavior") == "Isolated"
         and not split.get("invert")
         and byte_level.get("type") == "ByteLevel"
         and not byte_level.get("use_regex", True)
-    )
+    ):
+        return None
+    return PRE_TOKENIZERS.get((split.get("pattern") or {}).get("Regex"))
+
+
+def _is_sentencepiece(data: dict) -> bool:
+    model, pre = data.get("model") or {}, data.get("pre_tokenizer") or {}
+    return bool(model.get("byte_fallback")) or pre.get("type") == "Metaspace"
 
 
 def check_tokenizer(folder: Path) -> dict:
-    """tokenizer.json of `folder`, refused when llama.cpp's 'qwen2' tokenizer would split text otherwise."""
+    """tokenizer.json of `folder`, refused when llama.cpp would split or merge its text otherwise."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise QLoraError(f"{folder} has no tokenizer.json; --gguf exports need the base's fast tokenizer")
     data = _read(path)
-    model = data.get("model") or {}
-    if model.get("type") != "BPE" or not _is_qwen_split(data.get("pre_tokenizer")):
+    if _is_sentencepiece(data):
         raise QLoraError(
-            f"{path}: --gguf exports only Qwen's byte-level BPE tokenizer (a BPE model after Qwen's regex "
-            "split); llama.cpp's 'qwen2' pre-tokenizer would cut this one's text differently"
+            f"{path}: --gguf cannot export a SentencePiece tokenizer (Mistral 7B's): llama.cpp merges its "
+            "pieces by tokenizer.model's scores, which qlora cannot read, and a file without them would "
+            "tokenize wrongly"
+        )
+    if (data.get("model") or {}).get("type") != "BPE" or pre_tokenizer_name(
+        data.get("pre_tokenizer")
+    ) is None:
+        raise QLoraError(
+            f"{path}: --gguf exports byte-level BPE tokenizers after a split llama.cpp knows (Qwen's, "
+            "Qwen3.5's, Llama 3's, Tekken's); llama.cpp would cut this one's text differently"
         )
     return data
 
@@ -100,12 +143,26 @@ def read_vocabulary(
     bos = chat.bos_token_id
     if bos is None and bos_fallback is not None and 0 <= bos_fallback < vocab_size:
         bos = bos_fallback
+    probe = Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).encode("a").ids
     return Vocabulary(
         tokens=tokens,
         token_types=token_types,
         merges=[_merge_text(merge) for merge in data["model"].get("merges") or []],
+        pre_tokenizer=pre_tokenizer_name(data["pre_tokenizer"]),
         eos_id=chat.eos_token_id,
         pad_id=chat.pad_token_id,
         bos_id=bos,
+        add_bos=bos is not None and probe[:1] == [bos],
+        eot_id=_end_of_turn(chat),
         chat_template=chat.chat_template,
     )
+
+
+def _end_of_turn(chat: ChatTokenizer) -> int | None:
+    """The token that closes a turn when it is not EOS (Llama 3's <|eot_id|> beside <|end_of_text|>):
+    llama.cpp otherwise guesses it by name, and may pick either."""
+    for token in (chat.end_of_turn, "<|eot_id|>", "<|im_end|>"):
+        index = chat.token_to_id(token) if token else None
+        if index is not None and index != chat.eos_token_id:
+            return index
+    return None

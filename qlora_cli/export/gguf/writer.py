@@ -2,10 +2,9 @@
 
 GGUF declares every tensor (name, shape, type, offset) before the data, so the header is written from
 the shapes config.json implies, and the data then tensor by tensor as the merged weights stream past:
-host memory stays near one tensor. Names and metadata keys are llama.cpp's for its 'qwen2' and 'qwen3'
-architectures, taken from the gguf package (TensorNameMap, the writer's add_* keys). Qwen's Q and K
-projections keep Hugging Face's row order: llama.cpp applies NeoX-style RoPE to these architectures, as
-transformers does, so unlike Llama's there is nothing to permute.
+host memory stays near one tensor. Names and metadata keys are llama.cpp's for the family's
+architecture (qlora_cli/export/gguf/architectures.py), taken from the gguf package (TensorNameMap, the
+writer's add_* keys).
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import numpy as np
 import torch
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.export.gguf.vocab import PRE_TOKENIZER, TOKENIZER_MODEL, Vocabulary
+from qlora_cli.export.gguf.architectures import Architecture, architecture
+from qlora_cli.export.gguf.vocab import TOKENIZER_MODEL, Vocabulary
 from qlora_cli.sources.weights import ModelSpec
 
 GGUF_TYPES = ("bf16", "f16", "q8_0")
@@ -40,11 +40,11 @@ def check_gguf_type(gguf_type: str) -> str:
     return gguf_type
 
 
-def storage_type(gguf, shape: tuple[int, ...], gguf_type: str):
-    """How one tensor is stored: vectors (norms, biases) in f32 as llama.cpp's converter keeps them; q8_0
-    where rows split into whole 32-value blocks, else f16."""
+def storage_type(gguf, shape: tuple[int, ...], gguf_type: str, keep_f32: bool = False):
+    """How one tensor is stored: vectors (norms, biases) and what the architecture keeps so in f32, as
+    llama.cpp's converter does; q8_0 where rows split into whole 32-value blocks, else f16."""
     kinds = gguf.GGMLQuantizationType
-    if len(shape) == 1:
+    if len(shape) == 1 or keep_f32:
         return kinds.F32
     if gguf_type == "q8_0":
         block, _ = gguf.GGML_QUANT_SIZES[kinds.Q8_0]
@@ -80,14 +80,13 @@ def _add_metadata(writer, gguf, spec: ModelSpec, gguf_type: str, name: str) -> N
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
-    writer.add_rope_dimension_count(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
 
 
 def _add_vocabulary(writer, vocabulary: Vocabulary) -> None:
     writer.add_tokenizer_model(TOKENIZER_MODEL)
-    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_tokenizer_pre(vocabulary.pre_tokenizer)
     writer.add_token_list(vocabulary.tokens)
     writer.add_token_types(vocabulary.token_types)
     writer.add_token_merges(vocabulary.merges)
@@ -95,7 +94,9 @@ def _add_vocabulary(writer, vocabulary: Vocabulary) -> None:
     writer.add_pad_token_id(vocabulary.pad_id)
     if vocabulary.bos_id is not None:
         writer.add_bos_token_id(vocabulary.bos_id)
-    writer.add_add_bos_token(False)
+    if vocabulary.eot_id is not None:
+        writer.add_eot_token_id(vocabulary.eot_id)
+    writer.add_add_bos_token(vocabulary.add_bos)
     writer.add_add_eos_token(False)
     if vocabulary.chat_template is not None:
         writer.add_chat_template(vocabulary.chat_template)
@@ -112,30 +113,44 @@ def write_gguf(
 ) -> None:
     """Write `tensors` (Hugging Face names, arriving in the order of `names`) as one GGUF file."""
     gguf = import_gguf()
-    arch = gguf.MODEL_ARCH.QWEN2 if spec.model_type == "qwen2" else gguf.MODEL_ARCH.QWEN3
+    family = architecture(spec)
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
     name_map = gguf.TensorNameMap(arch, spec.num_layers)
     shapes = spec.expected_tensors()
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     _add_metadata(writer, gguf, spec, gguf_type, model_name)
+    family.add_metadata(writer, gguf)
     _add_vocabulary(writer, vocabulary)
-    kinds = {}
-    for name in names:
-        kinds[name] = storage_type(gguf, shapes[name], gguf_type)
-        byte_shape = gguf.quant_shape_to_byte_shape(shapes[name], kinds[name])
+    extra = family.extra_tensors()
+    declared = [(gguf_name, tuple(tensor.shape), True) for gguf_name, tensor in extra.items()]
+    declared += [
+        (_gguf_name(name_map, family, name), family.shape(name, shapes[name]), family.keeps_f32(name))
+        for name in names
+    ]
+    kinds = []
+    for gguf_name, shape, keep_f32 in declared:
+        kinds.append(storage_type(gguf, shape, gguf_type, keep_f32))
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, kinds[-1])
         writer.add_tensor_info(
-            name_map.get_name(name, try_suffixes=(".weight", ".bias")),
-            byte_shape,
-            np.dtype(np.uint8),
-            math.prod(byte_shape),
-            raw_dtype=kinds[name],
+            gguf_name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=kinds[-1]
         )
     try:
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for expected, (name, tensor) in zip(names, tensors, strict=True):
+        for tensor, kind in zip(extra.values(), kinds, strict=False):
+            writer.write_tensor_data(encode(gguf, tensor, kind))
+        streamed = zip(names, kinds[len(extra) :], tensors, strict=True)
+        for expected, kind, (name, tensor) in streamed:
             if name != expected:
                 raise RuntimeError(f"GGUF data out of order: got {name}, declared {expected}")
-            writer.write_tensor_data(encode(gguf, tensor, kinds[name]))
+            writer.write_tensor_data(encode(gguf, family.transform(name, tensor), kind))
     finally:
         writer.close()
+
+
+def _gguf_name(name_map, family: Architecture, name: str) -> str:
+    found = name_map.get_name(family.gguf_name(name), try_suffixes=(".weight", ".bias"))
+    if found is None:
+        raise QLoraError(f"--gguf: llama.cpp's {family.arch.lower()} has no tensor for {name}")
+    return found
