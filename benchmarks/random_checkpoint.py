@@ -27,7 +27,11 @@ SHARD_BYTES = 4 << 30
 def write_checkpoint(
     name: str, out: Path, *, layers: int | None = None, device: str = "cpu", seed: int = 0
 ) -> Path:
-    config = model_config(name, layers)
+    return write_config_checkpoint(model_config(name, layers), out, device=device, seed=seed)
+
+
+def write_config_checkpoint(config: dict, out: Path, *, device: str = "cpu", seed: int = 0) -> Path:
+    """Random weights for any config.json qlora reads (a benchmark shape, or one a test edits)."""
     spec = spec_from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
