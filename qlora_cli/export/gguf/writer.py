@@ -114,7 +114,12 @@ def write_gguf(
     """Write `tensors` (Hugging Face names, arriving in the order of `names`) as one GGUF file."""
     gguf = import_gguf()
     family = architecture(spec)
-    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    arch = getattr(gguf.MODEL_ARCH, family.arch, None)
+    if arch is None:
+        raise QLoraError(
+            f"--gguf: the installed gguf package does not know llama.cpp's {family.arch.lower()} "
+            "architecture; pip install 'gguf>=0.18'"
+        )
     name_map = gguf.TensorNameMap(arch, spec.num_layers)
     shapes = spec.expected_tensors()
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
