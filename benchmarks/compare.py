@@ -1,11 +1,14 @@
-"""qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels), same GPU, same run.
+"""qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels) and Unsloth, same GPU, same run.
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
        [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--json FILE]
 
-Each runner trains LoRA r=16 on every projection of the same checkpoint (all seven; Qwen3.5's twelve) (benchmarks/random_checkpoint.py
-writes one), on the same random batch, in its own process so peak memory is its own. `qlora` replays
+Each runner trains LoRA r=16 on every decoder linear of the same checkpoint (benchmarks/random_checkpoint.py
+writes one of any shape in benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama 3.1, Mistral Small), on the same
+random batch, in its own process so peak memory is its own. For Qwen3.5 every linear is q/k/v/o, the MLP's,
+and the Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj; HF runs transformers' torch fallback of
+the delta rule and conv (without flash-linear-attention installed), Unsloth its own Qwen3.5 patching. `qlora` replays
 each step's forward and backward as a CUDA graph, as `qlora train` does with packed rows; `qlora-eager`
 launches op by op. `unsloth` is Unsloth with the settings its documentation recommends (4-bit
 base, `use_gradient_checkpointing="unsloth"`, which offloads each layer's input to host memory).
@@ -31,20 +34,35 @@ import torch
 from benchmarks.bnb import load_nf4_model
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
+from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, read_spec, spec_from_config
+
+# Liger's patch for each model_type (Qwen3.5 has none: the liger runner fails with that name).
+LIGER_PATCH = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "mistral"}
 
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16; MFU is reported against it
 
 
 def model_flops_per_token(config: dict, seq: int) -> float:
-    """Forward (2N) plus the input-gradient half of backward (2N), plus causal attention; LoRA is negligible."""
-    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    kv = config["num_key_value_heads"] * head_dim
-    per_layer = h * (heads * head_dim) * 2 + h * kv * 2 + 3 * h * i
-    dense = 4 * (per_layer * layers + config["vocab_size"] * h)
-    attention = 3 * 2 * 2 * layers * heads * head_dim * seq / 2
-    return dense + attention
+    """Forward (2N) plus the input-gradient half of backward (2N), plus causal attention in the full
+    attention layers and the delta rule in Qwen3.5's Gated DeltaNet layers, three times their forward
+    each; LoRA is negligible. The delta rule counts as its recurrence: three rank-1 products of
+    Dk x Dv a value head and token (its chunked form does about as much)."""
+    spec = spec_from_config(config)
+    dense = sum(out * inp for kind in spec.layer_types for out, inp in spec.projection_shapes(kind).values())
+    full = spec.layer_types.count(FULL_ATTENTION)
+    attention = 3 * 2 * 2 * full * spec.num_heads * spec.head_dim * seq / 2
+    delta_rule = 0.0
+    if spec.linear_attention is not None:
+        linear = spec.linear_attention
+        per_layer = 6 * linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+        delta_rule = 3 * per_layer * spec.layer_types.count(LINEAR_ATTENTION)
+    return 4 * (dense + spec.vocab_size * spec.hidden_size) + attention + delta_rule
+
+
+def lora_targets(checkpoint) -> list[str]:
+    """Every decoder linear of the checkpoint's layers, as PEFT and Unsloth name them."""
+    spec = read_spec(checkpoint)
+    return sorted({name for kind in spec.layer_types for name in spec.projection_shapes(kind)})
 
 
 def _batch(vocab: int, args):
@@ -60,26 +78,22 @@ def _sync(device: str) -> None:
 
 def run_qlora(args, graphs: bool) -> dict:
     from qlora_cli.model import LoRAConfig, QLoRAModel
-    from qlora_cli.model.planner import (
-        RunShape,
-        estimated_peak_bytes,
-        layers_to_checkpoint,
-        offloads_activations,
-    )
-    from qlora_cli.sources.weights import read_spec
+    from qlora_cli.model.planner import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
     from qlora_cli.train.graphs import GraphedLoss
     from qlora_cli.train.step import clear_gradients, micro_batch_backward
 
     spec = read_spec(args.checkpoint)
     setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
     offload_setting = {"true": True, "false": False, "auto": "auto"}[args.offload]
-    shape = RunShape(args.batch * args.seq, LoRAConfig(r=16), args.budget_gb)
-    offload = offloads_activations(offload_setting, setting, spec, shape, args.device)
-    recompute = layers_to_checkpoint(setting, spec, shape, offload=offload)
+    tokens = args.batch * args.seq
+    offload = offloads_activations(offload_setting, setting, spec, tokens, args.budget_gb, 16, args.device)
+    recompute = layers_to_checkpoint(setting, spec, tokens, args.budget_gb, 16, offload=offload)
     start = time.perf_counter()
     model = QLoRAModel.from_pretrained(
         args.checkpoint,
-        lora=LoRAConfig(r=16, alpha=32, dropout=args.lora_dropout),
+        lora=LoRAConfig(
+            r=16, alpha=32, dropout=args.lora_dropout, target_modules=tuple(lora_targets(args.checkpoint))
+        ),
         device=args.device,
         checkpoint_layers=recompute,
         offload_activations=offload,
@@ -100,7 +114,7 @@ def run_qlora(args, graphs: bool) -> dict:
         clear_gradients(optimizer, graphed)
         return loss_sum / count
 
-    estimate = estimated_peak_bytes(spec, shape, recompute, offload=offload) / 2**30
+    estimate = estimated_peak_bytes(spec, tokens, 16, recompute, offload=offload) / 2**30
     return _timed(step, args) | {
         "load_s": load_s,
         "recomputed_layers": recompute,
@@ -109,24 +123,17 @@ def run_qlora(args, graphs: bool) -> dict:
     }
 
 
-def lora_targets(checkpoint) -> list[str]:
-    """Every projection the checkpoint's layers have (for Qwen3.5 the Gated DeltaNet's in_proj_qkv/z/b/a
-    and out_proj too), so every runner puts LoRA on every decoder linear, as qlora's default does."""
-    from qlora_cli.core.names import ALL_PROJECTIONS
-    from qlora_cli.sources.weights import read_spec
-
-    spec = read_spec(checkpoint)
-    present = {name for kind in set(spec.layer_types) for name in spec.projection_shapes(kind)}
-    return [name for name in ALL_PROJECTIONS if name in present]
-
-
 def run_hf(args, liger: bool) -> dict:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_qwen2()
+        model_type = read_spec(args.checkpoint).model_type
+        patch = LIGER_PATCH.get(model_type)
+        if patch is None:
+            raise SystemExit(f"Liger has no patch for model_type {model_type}")
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{patch}")()
     start = time.perf_counter()
     model = load_nf4_model(args.checkpoint, args.device)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing != "false")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from checkpoints import REPO_ROOT, subprocess_env, write_qwen2
 
 
@@ -104,3 +105,64 @@ def test_packed_attention_rows_and_the_ideal_speedup():
     halves = torch.tensor([[0] * 50 + [1] * 50])
     assert ideal_speedup(halves) == (100 * 101 / 2) / (2 * 50 * 51 / 2)
     assert ideal_speedup(doc_ids) > 5
+
+
+def test_compare_trains_every_linear_of_a_hybrid_model(tmp_path):
+    """On a Qwen3.5, LoRA goes on the Gated DeltaNet layers' five projections too, for every runner,
+    MFU counts the attention of its full layers and the delta rule of the others, and qlora's runner
+    trains it."""
+    from checkpoints import write_qwen3_5
+
+    from benchmarks.compare import lora_targets, model_flops_per_token
+    from qlora_cli.sources.weights import read_spec
+
+    checkpoint = write_qwen3_5(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
+    assert lora_targets(checkpoint) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    )
+    # MFU's count of a Qwen3.5: its projections, lm_head, one attention layer, one delta rule.
+    spec = read_spec(checkpoint)
+    dense = sum(o * i for kind in spec.layer_types for o, i in spec.projection_shapes(kind).values())
+    attention = 3 * 2 * 2 * spec.num_heads * spec.head_dim * 64 / 2
+    delta_rule = 3 * 6 * 4 * 16 * 16  # 3 x (three rank-1 products of 16 x 16) x 4 value heads
+    expected = 4 * (dense + spec.vocab_size * spec.hidden_size) + attention + delta_rule
+    assert model_flops_per_token(json.loads((checkpoint / "config.json").read_text()), 64) == expected
+    command = [sys.executable, "-m", "benchmarks.compare", str(checkpoint), "--device", "cpu"]
+    command += ["--runners", "qlora-eager", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "0"]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "qlora, no graphs" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_qwen3_5_27b_shape_has_the_published_tensors():
+    """Qwen3.6-27B's published listing has 1199 tensors: this text decoder's 851, a 27-block vision
+    tower's 333 (12 a block, 3 patch and position, 6 merger) and an MTP head's 15 (4 + one 11-tensor
+    attention layer); the shapes below are from that listing."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.sources.weights import spec_from_config
+
+    tensors = spec_from_config(model_config("qwen3.5-27b")).expected_tensors()
+    assert len(tensors) == 1199 - (27 * 12 + 3 + 6) - (4 + 11)
+    assert tensors["model.layers.0.linear_attn.in_proj_qkv.weight"] == (10240, 5120)
+    assert tensors["model.layers.0.linear_attn.in_proj_z.weight"] == (6144, 5120)
+    assert tensors["model.layers.0.linear_attn.in_proj_b.weight"] == (48, 5120)
+    assert tensors["model.layers.0.linear_attn.conv1d.weight"] == (10240, 1, 4)
+    assert tensors["model.layers.0.linear_attn.out_proj.weight"] == (5120, 6144)
+    assert tensors["model.layers.3.self_attn.q_proj.weight"] == (12288, 5120)
+    assert tensors["model.layers.3.self_attn.k_proj.weight"] == (1024, 5120)
+    assert tensors["model.layers.3.self_attn.o_proj.weight"] == (5120, 6144)
+    assert tensors["model.layers.63.mlp.gate_proj.weight"] == (17408, 5120)
+
+
+def test_llama_and_mistral_shapes_have_their_published_sizes():
+    """Llama 3.1 8B has 8,030,261,248 parameters; Mistral Small 24B's attention is 32 x 128 = 4096 wide
+    against a 5120 residual stream."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.sources.weights import spec_from_config
+
+    llama = spec_from_config(model_config("llama-3.1-8b")).expected_tensors()
+    assert sum(torch.Size(shape).numel() for shape in llama.values()) == 8_030_261_248
+    mistral = spec_from_config(model_config("mistral-small-24b")).expected_tensors()
+    assert mistral["model.layers.0.self_attn.q_proj.weight"] == (4096, 5120)
+    assert mistral["model.layers.39.self_attn.o_proj.weight"] == (5120, 4096)
