@@ -78,22 +78,28 @@ def _sync(device: str) -> None:
 
 def run_qlora(args, graphs: bool) -> dict:
     from qlora_cli.model import LoRAConfig, QLoRAModel
-    from qlora_cli.model.planner import estimated_peak_bytes, layers_to_checkpoint, offloads_activations
+    from qlora_cli.model.planner import (
+        RunShape,
+        estimated_peak_bytes,
+        layers_to_checkpoint,
+        offloads_activations,
+    )
     from qlora_cli.train.graphs import GraphedLoss
     from qlora_cli.train.step import clear_gradients, micro_batch_backward
 
     spec = read_spec(args.checkpoint)
     setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
     offload_setting = {"true": True, "false": False, "auto": "auto"}[args.offload]
-    tokens = args.batch * args.seq
-    offload = offloads_activations(offload_setting, setting, spec, tokens, args.budget_gb, 16, args.device)
-    recompute = layers_to_checkpoint(setting, spec, tokens, args.budget_gb, 16, offload=offload)
+    lora = LoRAConfig(
+        r=16, alpha=32, dropout=args.lora_dropout, target_modules=tuple(lora_targets(args.checkpoint))
+    )
+    shape = RunShape(args.batch * args.seq, lora, args.budget_gb)
+    offload = offloads_activations(offload_setting, setting, spec, shape, args.device)
+    recompute = layers_to_checkpoint(setting, spec, shape, offload=offload)
     start = time.perf_counter()
     model = QLoRAModel.from_pretrained(
         args.checkpoint,
-        lora=LoRAConfig(
-            r=16, alpha=32, dropout=args.lora_dropout, target_modules=tuple(lora_targets(args.checkpoint))
-        ),
+        lora=lora,
         device=args.device,
         checkpoint_layers=recompute,
         offload_activations=offload,
@@ -114,7 +120,7 @@ def run_qlora(args, graphs: bool) -> dict:
         clear_gradients(optimizer, graphed)
         return loss_sum / count
 
-    estimate = estimated_peak_bytes(spec, tokens, 16, recompute, offload=offload) / 2**30
+    estimate = estimated_peak_bytes(spec, shape, recompute, offload=offload) / 2**30
     return _timed(step, args) | {
         "load_s": load_s,
         "recomputed_layers": recompute,
