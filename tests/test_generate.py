@@ -552,7 +552,8 @@ def test_graphed_decode_step_equals_the_eager_one(family_run, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_generation_agrees_with_the_cpu_reference(run):
+def test_cuda_generation_agrees_with_the_cpu_reference(family_run):
+    run = family_run
     model, stop_ids, prompts = cuda_model(run, torch.float32)
     sampling = Sampling(max_new_tokens=NEW_TOKENS)
     on_cuda = generate_ids(DecodingEngine(model), prompts, sampling, stop_ids)

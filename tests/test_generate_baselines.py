@@ -1,14 +1,15 @@
-"""The decoding baselines' shared parts on the CPU, on a tiny plain (unquantized) Qwen2: the LoRA
+"""The decoding baselines' shared parts on the CPU, on tiny plain (unquantized) Qwen2 and Qwen3.5: the LoRA
 they attach and the timed greedy generate. The NF4 loads need bitsandbytes / Unsloth on a GPU."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import load_transformers, write_qwen2
+from checkpoints import load_transformers, write_qwen2, write_qwen3_5
 
 from benchmarks import generate_baselines
-from benchmarks.generate_baselines import LORA_TARGETS, attach_lora, time_generation
+from benchmarks.generate_baselines import attach_lora, time_generation
+from qlora_cli.core.names import ALL_PROJECTIONS
 
 
 @pytest.fixture
@@ -20,12 +21,19 @@ def _lora_b(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_B" in name}
 
 
-def test_random_lora_covers_every_projection_with_nonzero_b(tiny_model):
-    layers = tiny_model.config.num_hidden_layers
-    model, note = attach_lora(tiny_model, None)
+@pytest.mark.parametrize("writer", [write_qwen2, write_qwen3_5], ids=["qwen2", "qwen3_5"])
+def test_random_lora_covers_every_projection_with_nonzero_b(tmp_path, writer):
+    """Every projection the model has, Qwen3.5's linear-attention ones too, as qlora's side trains."""
+    model = load_transformers(writer(tmp_path / "model"))
+    projections = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ALL_PROJECTIONS
+    }
+    model, note = attach_lora(model, None)
     b = _lora_b(model)
-    assert len(b) == layers * len(LORA_TARGETS)
-    assert all(any(f".{target}." in name for name in b) for target in LORA_TARGETS)
+    adapted = {name.removeprefix("base_model.model.").removesuffix(".lora_B.default.weight") for name in b}
+    assert adapted == projections
     assert all(tensor.abs().sum() > 0 for tensor in b.values())
     assert f"({len(b)} B matrices)" in note
 
