@@ -67,8 +67,8 @@ CASES = {
         "no config.json",
     ),
     "unsupported model_type": (
-        lambda p: (_set_model_config(p, model_type="llama"), p)[1],
-        "model_type 'llama' is not supported",
+        lambda p: (_set_model_config(p, model_type="gemma2"), p)[1],
+        "model_type 'gemma2' is not supported",
     ),
     "output_dir is a file": (lambda p: (p.parent.joinpath("out").write_text("x"), p)[1], "is not a folder"),
     "cuda_graphs not a choice": (
