@@ -483,9 +483,24 @@ def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
 # (untied) and as published (vision-language, tied, with an MTP head); Llama with llama3 RoPE, and tied
 # with head_dim 32 unlike hidden / heads (16), as Mistral Small has (Mistral's own test tokenizer is a
 # SentencePiece one, which --gguf refuses below).
+def centred_norms(folder: Path) -> Path:
+    """Zero-centred norms near 0, as trained Qwen3.5 checkpoints have them (x̂·(1+w), w initialised to
+    0): the random 1 + 0.2·noise of tests/checkpoints.py doubles every activation, and this tiny model
+    then amplifies q8_0's rounding to the size of its logits."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensors[name] = tensors[name] - 1
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
 FAMILIES = {
-    "qwen3_5": lambda folder: write_qwen3_5(folder),
-    "qwen3_5vl": lambda folder: write_qwen3_5(folder, layout="vl", tie=True, mtp=True),
+    "qwen3_5": lambda folder: centred_norms(write_qwen3_5(folder)),
+    "qwen3_5vl": lambda folder: centred_norms(write_qwen3_5(folder, layout="vl", tie=True, mtp=True)),
     "llama": lambda folder: write_llama(folder),
     "llama-head_dim": lambda folder: write_llama(
         folder, tie=True, head_dim=32, rope_scaling={"rope_type": "default", "rope_theta": 500000.0}
@@ -674,10 +689,38 @@ def test_a_layer_pattern_llama_cpp_cannot_express_is_refused(tmp_path, run_cli):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 
 
+def _stored(x: torch.Tensor, gguf_type: str) -> torch.Tensor:
+    """`x` as a GGUF of `gguf_type` holds it (rows cut into blocks along the last dim)."""
+    if gguf_type == "q8_0":
+        kind = gguf.GGMLQuantizationType.Q8_0
+        data = gguf.quants.quantize(x.detach().float().numpy(), kind)
+        return torch.from_numpy(gguf.quants.dequantize(data, kind)).reshape(x.shape)
+    return x.to({"bf16": torch.bfloat16, "f16": torch.float16}[gguf_type]).float()
+
+
+def storage_rounding_error(folder: Path, ids: torch.Tensor, gguf_type: str) -> float:
+    """How far the merged model's logits move when its matrices are rounded to `gguf_type` and so are
+    the inputs of each matrix product, as llama.cpp's CPU kernels round them (an f16 matrix multiplies
+    f16 activations, a q8_0 one q8_0 activations): the error llama.cpp cannot avoid on this model."""
+    model = load_transformers(folder)
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0]
+        for name, param in model.named_parameters():
+            if param.dim() == 2 and not name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+                param.copy_(_stored(param, gguf_type))
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
+                module.register_forward_pre_hook(lambda _, args: (_stored(args[0], gguf_type),))
+        return (model(ids[None]).logits[0] - expected).abs().max().item()
+
+
 @pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
 def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf_type, tmp_path):
     """llama.cpp's logits on the GGUF are the fp32 merge's, for Qwen3.5's hybrid layers and for the
-    llama architecture (llama3 RoPE through rope_freqs; a head_dim unlike hidden / heads)."""
+    llama architecture (llama3 RoPE through rope_freqs; a head_dim unlike hidden / heads), up to what
+    rounding to the file's type does to this model in transformers, twice over (llama.cpp rounds in
+    other places too: its f16 KV cache); a mistake in the tensors' form moves them by the logits' own
+    size (~3)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     path = family_exports["gguf"]
     if gguf_type != "f16":
@@ -688,8 +731,9 @@ def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf
     with torch.no_grad():
         expected = load_transformers(family_exports["merged"])(ids[None]).logits[0]
         base = load_transformers(family_exports["run"].parent / "model")(ids[None]).logits[0]
+    tolerance = 2 * storage_rounding_error(family_exports["merged"], ids, gguf_type)
     llama = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
     llama.eval(ids.tolist())
     got = torch.from_numpy(llama.scores[: len(ids)].copy())
-    assert (got - expected).abs().max().item() < TOLERANCES[gguf_type]
-    assert (base - expected).abs().max().item() > 5 * TOLERANCES[gguf_type]
+    assert (got - expected).abs().max().item() < tolerance
+    assert (base - expected).abs().max().item() > 2 * tolerance
