@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 
 from qlora_kernels._dispatch import use_triton
+from qlora_kernels.fp8 import FP8Scales, fp8_input_grad, fp8_linear
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference
 
 FrozenWeight = NF4Weight | torch.Tensor
@@ -57,10 +58,11 @@ def _takes_extra_columns(weights: Sequence[FrozenWeight]) -> bool:
     return all(not isinstance(w, NF4Weight) or _in_features(w) % w.blocksize == 0 for w in weights)
 
 
-def _lora_layout(weights: Sequence[FrozenWeight]) -> str:
-    """B as extra "columns" of a wide projection, when its NF4 rows are whole blocks; else "added"."""
+def _lora_layout(weights: Sequence[FrozenWeight], fp8: FP8Scales | None) -> str:
+    """B as extra "columns" of a wide projection, when its NF4 rows are whole blocks; else "added".
+    FP8 products keep B out of the e4m3 GEMM: LoRA stays in the compute dtype."""
     wide = sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
-    return "columns" if wide and _takes_extra_columns(weights) else "added"
+    return "columns" if wide and fp8 is None and _takes_extra_columns(weights) else "added"
 
 
 def buffer_numel(weights: Sequence[FrozenWeight], lora_a: Sequence[torch.Tensor | None] = ()) -> int:
@@ -188,19 +190,33 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return out if scale == 1 else out.mul_(scale)
 
 
-def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool):
+def _dx_and_g(dy, weights, dtype, buffer, b_columns, need_dx: bool, fp8: FP8Scales | None):
     """(dX = dY @ W or None, g = dY @ B). With B as extra weight columns the dX GEMM yields g
     too, and dX comes back as a row-strided view."""
-    if need_dx and _takes_extra_columns(weights):
+    if need_dx and fp8 is None and _takes_extra_columns(weights):
         joined = dy @ _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
         in_features = joined.shape[1] - b_columns.shape[1]
         return joined[:, :in_features], joined[:, in_features:]
-    dx = dy @ _stacked_weight(weights, dtype, buffer) if need_dx else None
+    dx = _frozen_input_grad(dy, weights, dtype, buffer, fp8) if need_dx else None
     return dx, dy @ b_columns
 
 
 def _matmul(inputs: torch.Tensor, stacked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return inputs @ stacked.T if bias is None else torch.addmm(bias, inputs, stacked.T)
+
+
+def _frozen_product(rows, weights, dtype, buffer, bias, fp8: FP8Scales | None) -> torch.Tensor:
+    """rows @ W^T + bias: cuBLAS in `dtype`, or an e4m3 GEMM under `fp8`'s scales (kernels.fp8)."""
+    if fp8 is not None:
+        return fp8_linear(rows, weights, fp8, buffer, bias)
+    return _matmul(rows, _stacked_weight(weights, dtype, buffer), bias)
+
+
+def _frozen_input_grad(dy, weights, dtype, buffer, fp8: FP8Scales | None) -> torch.Tensor:
+    """dY @ W, in `dtype` or as an e4m3 GEMM."""
+    if fp8 is not None:
+        return fp8_input_grad(dy, weights, fp8, buffer)
+    return dy @ _stacked_weight(weights, dtype, buffer)
 
 
 def _stacked_bias(
@@ -245,12 +261,12 @@ def _check_arguments(x, weights, biases, lora_a, lora_b, lora_x) -> None:
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """Arguments after `scaling`: the frozen weights, biases and scratch buffer (not
+    """Arguments after `scaling`: the frozen weights, biases, scratch buffer and FP8 scales (not
     differentiated), whether the output is needed, which projections carry LoRA, then their A
     and B tensors flattened."""
 
     @staticmethod
-    def forward(ctx, x, lora_x, scaling, weights, biases, buffer, need_output, lora_index, *lora_params):
+    def forward(ctx, x, lora_x, scaling, weights, biases, buffer, fp8, need_output, lora_index, *lora_params):
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
@@ -264,14 +280,14 @@ class LoRALinearFunction(torch.autograd.Function):
             a_cat = _a_cat(lora_a, dtype)
             b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
             t = lora_rows @ a_cat.T
-            if need_output and _lora_layout(weights) == "columns":
+            if need_output and _lora_layout(weights, fp8) == "columns":
                 stacked = _stacked_weight(weights, dtype, buffer, extra_columns=b_columns)
                 out = _matmul(torch.cat([rows, t * scaling], dim=1), stacked, bias)
             elif need_output:
-                out = _matmul(rows, _stacked_weight(weights, dtype, buffer), bias)
+                out = _frozen_product(rows, weights, dtype, buffer, bias, fp8)
                 out.addmm_(t, b_columns.T, alpha=scaling)
         elif need_output:
-            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), bias)
+            out = _frozen_product(rows, weights, dtype, buffer, bias, fp8)
         if out is None:
             # A checkpoint recompute only needs what backward saves; this output is never read.
             out = rows.new_empty(rows.shape[0], out_features)
@@ -279,7 +295,7 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, lora_x, t, a_cat, b_columns)
         ctx.scaling = scaling
         ctx.weights = weights
-        ctx.buffer = buffer
+        ctx.buffer, ctx.fp8 = buffer, fp8
         ctx.lora_index = lora_index
         ctx.slices = slices
         ctx.grad_dtypes = [p.dtype for p in lora_params]
@@ -298,10 +314,10 @@ class LoRALinearFunction(torch.autograd.Function):
         grads = []
         if not lora_index:
             if need_dx:
-                dx = dy @ _stacked_weight(weights, dtype, ctx.buffer)
+                dx = _frozen_input_grad(dy, weights, dtype, ctx.buffer, ctx.fp8)
         else:
             # The LoRA gradient goes through the rank first, g = dY @ B [tokens, ranks].
-            dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx)
+            dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, need_dx, ctx.fp8)
             if lora_x is None:
                 lora_rows = x.reshape(-1, in_features)
                 if need_dx:
@@ -319,7 +335,7 @@ class LoRALinearFunction(torch.autograd.Function):
                 ]
         if dx is not None:
             dx = dx.view(x.shape)
-        return dx, dlora_x, None, None, None, None, None, None, *grads
+        return dx, dlora_x, None, None, None, None, None, None, None, *grads
 
 
 class LoRAAFunction(torch.autograd.Function):
@@ -330,7 +346,7 @@ class LoRAAFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, lora_x, weights, biases, buffer, need_output, *lora_a):
+    def forward(ctx, x, lora_x, weights, biases, buffer, fp8, need_output, *lora_a):
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if lora_x is None else lora_x.reshape(-1, x.shape[-1])
@@ -338,11 +354,11 @@ class LoRAAFunction(torch.autograd.Function):
         a_cat = _a_cat(lora_a, dtype)
         t = lora_rows @ a_cat.T
         if need_output:
-            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
+            out = _frozen_product(rows, weights, dtype, buffer, _stacked_bias(biases, weights, x), fp8)
         else:
             out = rows.new_empty(rows.shape[0], out_features)
         ctx.save_for_backward(x, lora_x, a_cat)
-        ctx.weights, ctx.buffer = weights, buffer
+        ctx.weights, ctx.buffer, ctx.fp8 = weights, buffer, fp8
         ctx.ranks = [a.shape[0] for a in lora_a]
         ctx.grad_dtypes = [a.dtype for a in lora_a]
         lead = x.shape[:-1]
@@ -357,7 +373,7 @@ class LoRAAFunction(torch.autograd.Function):
         dt = grad_t.reshape(-1, grad_t.shape[-1]).to(dtype)
         dx = dlora_x = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ _stacked_weight(ctx.weights, dtype, ctx.buffer)
+            dx = _frozen_input_grad(dy, ctx.weights, dtype, ctx.buffer, ctx.fp8)
         if lora_x is None:
             lora_rows = x.reshape(-1, in_features)
             if dx is not None:
@@ -371,7 +387,7 @@ class LoRAAFunction(torch.autograd.Function):
         for rank, grad_dtype in zip(ctx.ranks, ctx.grad_dtypes, strict=True):
             grads.append(da_cat[start : start + rank].to(grad_dtype))
             start += rank
-        return None if dx is None else dx.view(x.shape), dlora_x, None, None, None, None, *grads
+        return None if dx is None else dx.view(x.shape), dlora_x, None, None, None, None, None, *grads
 
 
 class LoRABFunction(torch.autograd.Function):
@@ -382,7 +398,7 @@ class LoRABFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, lora_t, scaling, weights, biases, buffer, need_output, lora_index, *lora_b):
+    def forward(ctx, x, lora_t, scaling, weights, biases, buffer, fp8, need_output, lora_index, *lora_b):
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])
         t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
@@ -390,14 +406,14 @@ class LoRABFunction(torch.autograd.Function):
         slices = list(_lora_slices(weights, lora_index, [b.shape[1] for b in lora_b]))
         b_columns = _lora_b_columns(lora_b, slices, out_features, dtype)
         if need_output:
-            out = _matmul(rows, _stacked_weight(weights, dtype, buffer), _stacked_bias(biases, weights, x))
+            out = _frozen_product(rows, weights, dtype, buffer, _stacked_bias(biases, weights, x), fp8)
             out.addmm_(t, b_columns.T, alpha=scaling)
         else:
             out = rows.new_empty(rows.shape[0], out_features)
         ctx.save_for_backward(lora_t, b_columns)
         ctx.grad_dtypes = [b.dtype for b in lora_b]
         ctx.x_shape, ctx.scaling, ctx.slices = x.shape, scaling, slices
-        ctx.weights, ctx.buffer = weights, buffer
+        ctx.weights, ctx.buffer, ctx.fp8 = weights, buffer, fp8
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
@@ -407,7 +423,7 @@ class LoRABFunction(torch.autograd.Function):
         dtype = grad_out.dtype
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         t = lora_t.reshape(-1, lora_t.shape[-1]).to(dtype)
-        dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, ctx.needs_input_grad[0])
+        dx, g = _dx_and_g(dy, weights, dtype, ctx.buffer, b_columns, ctx.needs_input_grad[0], ctx.fp8)
         dt = (g * scaling).to(lora_t.dtype).view(lora_t.shape)
         db_cat = _mm_fp32(dy.T, t, scaling)
         grads = [
@@ -415,7 +431,7 @@ class LoRABFunction(torch.autograd.Function):
             for grad_dtype, (rank_slice, out_slice) in zip(ctx.grad_dtypes, slices, strict=True)
         ]
         dx = None if dx is None else dx.reshape(ctx.x_shape)
-        return dx, dt, None, None, None, None, None, None, *grads
+        return dx, dt, None, None, None, None, None, None, None, *grads
 
 
 def _lora_slices(weights, lora_index, ranks):
@@ -432,6 +448,12 @@ def _lora_slices(weights, lora_index, ranks):
 # ----------------------------------------------------------------------------- public
 
 
+def _runs_function(x: torch.Tensor, fp8: FP8Scales | None) -> bool:
+    """The Functions run where Triton does, and wherever FP8 products are asked for: the torch
+    references compute in x.dtype, and kernels.fp8 runs its own references where Triton cannot."""
+    return fp8 is not None or use_triton(x)
+
+
 def _lora_index(lora_params) -> tuple[int, ...]:
     return tuple(p for p, tensor in enumerate(lora_params) if tensor is not None)
 
@@ -444,6 +466,7 @@ def lora_linear_a(
     lora_x: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
     need_output: bool = True,
+    fp8: FP8Scales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x @ W^T + bias [..., sum(out_p)], t = lora_x @ A^T [..., sum(r_p)] or None without LoRA):
     the frozen projection with LoRA's first product only; whoever reads y adds t @ B^T."""
@@ -453,11 +476,12 @@ def lora_linear_a(
     none = [None] * len(weights)
     lora_index = _lora_index(lora_a)
     if not lora_index:
-        return lora_linear(x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output), None
-    if not use_triton(x):
+        y = lora_linear(x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output, fp8=fp8)
+        return y, None
+    if not _runs_function(x, fp8):
         return lora_linear_a_reference(x, weights, biases, lora_a, lora_x)
     present = [lora_a[p] for p in lora_index]
-    return LoRAAFunction.apply(x, lora_x, tuple(weights), tuple(biases), buffer, need_output, *present)
+    return LoRAAFunction.apply(x, lora_x, tuple(weights), tuple(biases), buffer, fp8, need_output, *present)
 
 
 def lora_linear_b(
@@ -469,6 +493,7 @@ def lora_linear_b(
     scaling: float,
     buffer: torch.Tensor | None = None,
     need_output: bool = True,
+    fp8: FP8Scales | None = None,
 ) -> torch.Tensor:
     """x @ W^T + bias + scaling * lora_t @ B^T, lora_t's columns being the ranks of the B's given
     in order. need_output=False skips the GEMM as in `lora_linear`; backward never reads x."""
@@ -476,15 +501,17 @@ def lora_linear_b(
     none = [None] * len(weights)
     lora_index = _lora_index(lora_b)
     if not lora_index:
-        return lora_linear(x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output)
+        return lora_linear(
+            x, weights, biases, none, none, 0.0, buffer=buffer, need_output=need_output, fp8=fp8
+        )
     present = [lora_b[p] for p in lora_index]
     ranks = sum(b.shape[1] for b in present)
     if lora_t is None or lora_t.shape[:-1] != x.shape[:-1] or lora_t.shape[-1] != ranks:
         raise ValueError(f"lora_t must be [..., {ranks}] beside x {tuple(x.shape)}")
-    if not use_triton(x):
+    if not _runs_function(x, fp8):
         return lora_linear_b_reference(x, lora_t, weights, biases, lora_b, scaling)
     return LoRABFunction.apply(
-        x, lora_t, scaling, tuple(weights), tuple(biases), buffer, need_output, lora_index, *present
+        x, lora_t, scaling, tuple(weights), tuple(biases), buffer, fp8, need_output, lora_index, *present
     )
 
 
@@ -498,20 +525,22 @@ def lora_linear(
     lora_x: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
     need_output: bool = True,
+    fp8: FP8Scales | None = None,
 ) -> torch.Tensor:
     """x [..., in] -> [..., sum(out_p)]; `lora_x` is the LoRA branch input (x after dropout,
     default x); `buffer` is a scratch tensor of x.dtype reused across layers (see buffer_numel).
 
     need_output=False, for a checkpoint recompute, which only needs what backward saves, skips
     the GEMM and returns an uninitialised tensor of the output's shape (the fused path only).
+    `fp8`, the group's scales (kernels.fp8.fp8_scales), multiplies the frozen weights in e4m3.
     """
     _check_arguments(x, weights, biases, lora_a, lora_b, lora_x)
     if lora_x is x:
         lora_x = None
-    if not use_triton(x):
+    if not _runs_function(x, fp8):
         return lora_linear_reference(x, weights, biases, lora_a, lora_b, scaling, lora_x)
     lora_index = tuple(p for p, a in enumerate(lora_a) if a is not None)
     lora_params = [tensor for p in lora_index for tensor in (lora_a[p], lora_b[p])]
     return LoRALinearFunction.apply(
-        x, lora_x, scaling, tuple(weights), tuple(biases), buffer, need_output, lora_index, *lora_params
+        x, lora_x, scaling, tuple(weights), tuple(biases), buffer, fp8, need_output, lora_index, *lora_params
     )
