@@ -1,7 +1,7 @@
 """qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels) and Unsloth, same GPU, same run.
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
-       [--runners qlora,qlora-eager,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
+       [--runners qlora,qlora-eager,qlora-fp8,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
        [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--json FILE]
 
 Each runner trains LoRA r=16 on every decoder linear of the same checkpoint (benchmarks/random_checkpoint.py
@@ -10,7 +10,7 @@ random batch, in its own process so peak memory is its own. For Qwen3.5 every li
 and the Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj; HF runs transformers' torch fallback of
 the delta rule and conv (without flash-linear-attention installed), Unsloth its own Qwen3.5 patching. `qlora` replays
 each step's forward and backward as a CUDA graph, as `qlora train` does with packed rows; `qlora-eager`
-launches op by op. `unsloth` is Unsloth with the settings its documentation recommends (4-bit
+launches op by op; `qlora-fp8` multiplies the frozen NF4 projections in FP8 (config key fp8). `unsloth` is Unsloth with the settings its documentation recommends (4-bit
 base, `use_gradient_checkpointing="unsloth"`, which offloads each layer's input to host memory).
 Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is captured) and
 reserved, MFU and the ratios against HF+PEFT+bnb and Unsloth. `--memory-cap-gb` caps every runner's
@@ -76,7 +76,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_qlora(args, graphs: bool) -> dict:
+def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     from qlora_cli.model import LoRAConfig, QLoRAModel
     from qlora_cli.model.planner import (
         RunShape,
@@ -104,6 +104,8 @@ def run_qlora(args, graphs: bool) -> dict:
         checkpoint_layers=recompute,
         offload_activations=offload,
     ).train()
+    if fp8:
+        model.use_fp8()
     _sync(args.device)
     load_s = time.perf_counter() - start
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5, fused=args.device == "cuda")
@@ -217,6 +219,7 @@ def _timed(step, args) -> dict:
 RUNNERS = {
     "qlora": lambda a: run_qlora(a, graphs=a.device == "cuda"),
     "qlora-eager": lambda a: run_qlora(a, graphs=False),
+    "qlora-fp8": lambda a: run_qlora(a, graphs=a.device == "cuda", fp8=True),
     "hf": lambda a: run_hf(a, liger=False),
     "liger": lambda a: run_hf(a, liger=True),
     "unsloth": run_unsloth,
@@ -224,6 +227,7 @@ RUNNERS = {
 LABELS = {
     "qlora": "qlora",
     "qlora-eager": "qlora, no graphs",
+    "qlora-fp8": "qlora, fp8",
     "hf": "HF+PEFT+bnb",
     "liger": "HF+PEFT+bnb+Liger",
     "unsloth": "Unsloth",

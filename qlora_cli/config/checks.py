@@ -288,6 +288,11 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
             ("adapter", "load_in_4bit"),
             "config key 'adapter': 'qlora' needs load_in_4bit: true (use adapter: lora)",
         )
+    if config.fp8 and not config.load_in_4bit:
+        yield (
+            ("fp8", "load_in_4bit"),
+            "config key 'fp8': it multiplies the NF4 base in FP8, so it needs load_in_4bit: true",
+        )
     if config.gradient_checkpointing == "auto" and config.memory_budget_gb is None:
         yield (
             ("gradient_checkpointing", "memory_budget_gb"),

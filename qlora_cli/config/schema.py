@@ -148,6 +148,8 @@ class TrainConfig:
     mlflow_run_name: str | None = None
     seed: int = 42
     bf16: bool | Literal["auto"] = "auto"
+    # The frozen NF4 projections multiply in FP8 (e4m3) on Ada and Hopper GPUs (kernels/fp8.py).
+    fp8: bool = False
     gradient_checkpointing: bool | Literal["auto"] = True
     activation_offloading: bool | Literal["auto"] = "auto"
     memory_budget_gb: float | None = field(default=None, metadata=_range(0, None, lo_open=True))

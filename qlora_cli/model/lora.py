@@ -15,6 +15,7 @@ from torch import nn
 from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
+from qlora_kernels.fp8 import FP8Scales
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import NF4Weight
 
@@ -101,6 +102,8 @@ class ProjectionGroup(nn.Module):
                 self.lora_A[name] = nn.Parameter(torch.empty(lora.r, in_features))
                 self.lora_B[name] = nn.Parameter(torch.zeros(out_features, lora.r))
         self.scratch: torch.Tensor | None = None
+        # The e4m3 scales of the frozen weights when they multiply in FP8 (QLoRAModel.use_fp8).
+        self.fp8: FP8Scales | None = None
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         """A as PEFT initialises it (kaiming-uniform with a=sqrt(5)), B zeros: the adapter starts as a no-op."""
@@ -145,11 +148,19 @@ class ProjectionGroup(nn.Module):
         lora_b = [self.lora_B.get(n) for n in self.names]
         if keep_lora_t:
             return lora_linear_a(
-                x, self.weights, self.biases, self.lora_a_list(), lora_x, self.scratch, need_output
+                x, self.weights, self.biases, self.lora_a_list(), lora_x, self.scratch, need_output, self.fp8
             )
         if lora_t is not None:
             return lora_linear_b(
-                x, lora_t, self.weights, self.biases, lora_b, self.scaling, self.scratch, need_output
+                x,
+                lora_t,
+                self.weights,
+                self.biases,
+                lora_b,
+                self.scaling,
+                self.scratch,
+                need_output,
+                self.fp8,
             )
         return lora_linear(
             x,
@@ -161,4 +172,5 @@ class ProjectionGroup(nn.Module):
             lora_x=lora_x,
             buffer=self.scratch,
             need_output=need_output,
+            fp8=self.fp8,
         )

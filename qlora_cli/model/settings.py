@@ -13,7 +13,7 @@ import torch
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.model.lora import LoRAConfig
-from qlora_kernels import triton_setup_error
+from qlora_kernels import TRITON_AVAILABLE, triton_setup_error
 
 
 def select_device(name: str, option: str = "config key 'device'") -> torch.device:
@@ -34,6 +34,30 @@ def select_device(name: str, option: str = "config key 'device'") -> torch.devic
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """Why this machine cannot multiply in FP8, or None: FP8 tensor cores start with Ada and
+    Hopper (compute capability 8.9), and torch's FP8 GEMM and Triton's e4m3 type must exist."""
+    wanted = "config key 'fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper)"
+    if device.type != "cuda":
+        return f"{wanted}; this run is on the {device.type.upper()}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{wanted}; {device} is {name}, compute capability {capability[0]}.{capability[1]}"
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"config key 'fp8' needs torch's FP8 GEMM (torch._scaled_mm), which torch {torch.__version__} lacks"
+    if not TRITON_AVAILABLE:
+        return "config key 'fp8' needs triton (pip install triton): its kernels quantize to e4m3"
+    import triton.language as tl
+
+    if not hasattr(tl, "float8e4nv"):
+        return "config key 'fp8' needs a triton with the e4m3 type (float8e4nv): upgrade triton"
+    return None
 
 
 def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:

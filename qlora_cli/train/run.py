@@ -19,7 +19,7 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.data.examples import BatchPlan, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
-from qlora_cli.model.settings import compute_dtype, lora_config, select_device
+from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.hub import model_reference, resolve_model
@@ -97,6 +97,8 @@ def build_run(
     micro-batches (a profile times ops one by one). check_space: before any weights load, make sure
     output_dir has room for the checkpoints and adapter of this model."""
     dist = dist or Distributed(device=select_device(config.device))
+    if config.fp8 and (problem := fp8_problem(dist.device)):
+        raise QLoraError(problem)
     # The base's shape comes first and alone: the space and length checks need it, and must refuse
     # before anything heavy is read.
     folder = resolve_model(config.base_model, config.revision)
@@ -259,6 +261,11 @@ def _setup_model(
     )
     if start_adapter is not None:
         load_adapter_state(model, start_adapter, config.lora_model_dir)
+    if config.fp8:
+        try:
+            model.use_fp8()
+        except ValueError as err:
+            raise QLoraError(f"config key 'fp8': {err}") from None
     model.train()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
