@@ -1,4 +1,4 @@
-"""Shared memory, registers and spills of every delta-rule and conv1d Triton kernel, compiled for a
+"""Shared memory, registers and spills of every delta-rule, conv1d and FP8 Triton kernel, compiled for a
 GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
 shared memory per block) and how many blocks share an SM.
 
@@ -27,7 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
-from qlora_kernels import conv1d, delta_rule
+from qlora_kernels import conv1d, delta_rule, fp8
+from qlora_kernels.nf4 import NF4Weight
 
 # Per block, by compute capability (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
@@ -46,6 +47,8 @@ _POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
     torch.int32: "*i32",
+    torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 
 
@@ -169,6 +172,26 @@ def conv1d_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[
     return launches
 
 
+def fp8_launches(rows: int = 18944, in_features: int = 3584, tokens: int = 8192) -> list[Launch]:
+    """The activation quantizer and both NF4-to-e4m3 layouts, at Qwen2.5-7B's gate/up shape."""
+    blocks = rows * in_features // 64
+    weight = NF4Weight(
+        packed=_meta(rows * in_features // 2, dtype=torch.uint8),
+        absmax=_meta(blocks, dtype=torch.uint8),
+        nested_absmax=_meta(-(-blocks // 256), dtype=torch.float32),
+        nested_offset=0.5,
+        shape=torch.Size((rows, in_features)),
+        dtype=torch.bfloat16,
+    )
+    inverse = _meta(max(rows, in_features), dtype=torch.float32)
+    out = _meta(rows, in_features, dtype=torch.float8_e4m3fn)
+    with recorded_launches() as launches:
+        fp8._quantize_rows_triton(_meta(tokens, in_features))
+        fp8._nf4_to_e4m3_triton(weight, inverse, out, transposed=False)
+        fp8._nf4_to_e4m3_triton(weight, inverse, out.view(in_features, rows), transposed=True)
+    return launches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
@@ -185,7 +208,8 @@ def main() -> None:
             f"{'kernel':<26} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>5} {'spills':>6}  constexprs"
         )
         seen = set()
-        for launch in delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]):
+        launches = delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]) + fp8_launches()
+        for launch in launches:
             name = launch.kernel.__name__
             if args.kernels and not any(part in name for part in args.kernels):
                 continue

@@ -12,8 +12,9 @@ The weight scales come from NF4's block absmaxes: a block's largest value is sto
 over the weight. They are computed once, when the weights load (`fp8_scales`). Every scale maps
 the largest magnitude it covers to e4m3's largest finite value, 448.
 
-Rounding: values are divided by their scale (IEEE division, the same in the kernels and the
-references, so both give the same bytes), clamped to +-448 and rounded to the nearest e4m3. With
+Rounding: values are multiplied by the reciprocal of their scale (the same fp32 products in the
+kernels and the references, so both give the same bytes), clamped to +-448 and rounded to the
+nearest e4m3. With
 three mantissa bits each operand then carries a relative error of at most 2^-4 in e4m3's normal
 range, from which the tests derive their tolerance.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
 from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_absmax_reference, dequantize_nf4_reference
 
 if TRITON_AVAILABLE:
@@ -41,19 +42,23 @@ GEMM_MULTIPLE = 16
 
 @dataclass(frozen=True)
 class FP8Scales:
-    """e4m3 scales of a projection group's weights stacked as [sum(out), in], fp32.
+    """e4m3 scales of a projection group's weights stacked as [sum(out), in], fp32, and their
+    reciprocals, which the quantizers multiply by.
 
-    `row` [sum(out)] divides each output channel (the forward's weight scale); `column` [in]
-    divides each input channel across every stacked row (the input gradient's weight scale).
+    `row` [sum(out)] is each output channel's (the forward's weight scale); `column` [in] each
+    input channel's across every stacked row (the input gradient's weight scale).
     """
 
     row: torch.Tensor
     column: torch.Tensor
+    row_inverse: torch.Tensor
+    column_inverse: torch.Tensor
 
 
 def _scale_of(largest: torch.Tensor) -> torch.Tensor:
-    """largest / 448; 1 where everything is zero, so a zero row stays zero."""
-    return torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
+    """largest * (1 / 448), a product (the kernels form the same one; a division by a constant is
+    not the same on every device); 1 where everything is zero, so a zero row stays zero."""
+    return torch.where(largest > 0, largest * (1.0 / E4M3_MAX), torch.ones_like(largest))
 
 
 def fp8_shape_error(weights: Sequence[object]) -> str | None:
@@ -80,10 +85,9 @@ def fp8_scales(weights: Sequence[NF4Weight]) -> FP8Scales:
         blocks = dequantize_absmax_reference(weight).view(weight.shape[0], in_features // weight.blocksize)
         row_largest.append(blocks.amax(dim=1))
         column_largest.append(blocks.amax(dim=0).repeat_interleave(weight.blocksize))
-    return FP8Scales(
-        row=_scale_of(torch.cat(row_largest)),
-        column=_scale_of(torch.stack(column_largest).amax(dim=0)),
-    )
+    row = _scale_of(torch.cat(row_largest))
+    column = _scale_of(torch.stack(column_largest).amax(dim=0))
+    return FP8Scales(row, column, 1.0 / row, 1.0 / column)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -97,7 +101,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """(e4m3 [M, K], fp32 scales [M]) with x ~= q * scale[:, None]."""
     values = x.float()
     scale = _scale_of(values.abs().amax(dim=1))
-    return _to_e4m3(values / scale[:, None]), scale
+    return _to_e4m3(values * (1.0 / scale)[:, None]), scale
 
 
 def nf4_to_e4m3_reference(
@@ -107,8 +111,8 @@ def nf4_to_e4m3_reference(
     [in, sum(out)] over the column scales."""
     stacked = torch.cat([dequantize_nf4_reference(replace(w, dtype=torch.float32)) for w in weights])
     if transposed:
-        return _to_e4m3(stacked / scales.column[None, :]).T.contiguous()
-    return _to_e4m3(stacked / scales.row[:, None])
+        return _to_e4m3(stacked * scales.column_inverse[None, :]).T.contiguous()
+    return _to_e4m3(stacked * scales.row_inverse[:, None])
 
 
 def scaled_matmul_reference(
@@ -126,23 +130,29 @@ def scaled_matmul_reference(
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _to_e4m3_tile(values, scale):
-        """values / scale, clamped, rounded to e4m3's grid in fp32 (nearest even) and then cast, which
-        is then exact: Triton's interpreter rounds the cast itself wrongly next to a power of two."""
-        scaled = tl.minimum(tl.maximum(tl.math.div_rn(values, scale), -448.0), 448.0)
-        bits = scaled.to(tl.int32, bitcast=True)
-        # Normal range: keep 3 of fp32's 23 mantissa bits; a carry moves into the exponent.
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF).to(tl.float32, bitcast=True)
-        # Below 2^-6 e4m3 is subnormal, in steps of 2^-9; adding 1.5 * 2^23 rounds to a whole step
-        # (of the magnitude, so that a tiny negative value keeps its sign as -0).
-        magnitude = tl.abs(scaled)
-        subnormal = ((magnitude * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        subnormal = tl.where(bits < 0, -subnormal, subnormal)
-        return tl.where(magnitude < 0.015625, subnormal, normal).to(tl.float8e4nv)
+    def _to_e4m3_tile(scaled, ROUND_FIRST: tl.constexpr):
+        """Clamped to +-448 and cast to e4m3, rounding to nearest even. GPUs round in the cast; Triton's
+        interpreter rounds wrongly next to a power of two, so there (ROUND_FIRST) the value is first
+        rounded to e4m3's grid in fp32, and the cast is exact."""
+        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+        if ROUND_FIRST:
+            bits = scaled.to(tl.int32, bitcast=True)
+            # Normal range: keep 3 of fp32's 23 mantissa bits; a carry moves into the exponent.
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF).to(tl.float32, bitcast=True)
+            # Below 2^-6 e4m3 is subnormal, in steps of 2^-9: adding 1.5 * 2^23 to the magnitude rounds
+            # it to a whole step, and the sign bit goes back on (a tiny negative value becomes -0).
+            magnitude = tl.abs(scaled)
+            steps = ((magnitude * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+            sign = bits & -2147483648
+            subnormal = (steps.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+            scaled = tl.where(magnitude < 0.015625, subnormal, normal)
+        return scaled.to(tl.float8e4nv)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, columns, x_row_stride, BLOCK: tl.constexpr):
-        """One program per row: its largest magnitude, then the row over its scale."""
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, scale_ptr, columns, x_row_stride, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr
+    ):
+        """One program per row: its largest magnitude, then the row times its scale's reciprocal."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_row_stride
         largest = tl.zeros([BLOCK], dtype=tl.float32)
@@ -151,64 +161,141 @@ if TRITON_AVAILABLE:
             values = tl.load(x_row + offsets, mask=offsets < columns, other=0.0).to(tl.float32)
             largest = tl.maximum(largest, tl.abs(values))
         row_largest = tl.max(largest, axis=0)
-        scale = tl.where(row_largest > 0, tl.math.div_rn(row_largest, 448.0), 1.0)
+        scale = tl.where(row_largest > 0, row_largest * (1.0 / 448.0), 1.0)
         tl.store(scale_ptr + row, scale)
+        inverse = tl.math.div_rn(1.0, scale)
         for start in range(0, columns, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
             mask = offsets < columns
             values = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * columns + offsets, _to_e4m3_tile(values, scale), mask=mask)
+            tl.store(q_ptr + row * columns + offsets, _to_e4m3_tile(values * inverse, ROUND_FIRST), mask=mask)
 
     @triton.jit
-    def _nf4_to_e4m3_kernel(
+    def _block_absmax(
+        absmax_ptr,
+        nested_absmax_ptr,
+        dynamic_map_ptr,
+        blocks,
+        mask,
+        offset,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+    ):
+        """fp32 absmax of each block index in `blocks` (any shape), as kernels.nf4 rebuilds it."""
+        if DOUBLE_QUANT:
+            code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
+            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+            absmax = tl.load(dynamic_map_ptr + code) * nested + offset
+        else:
+            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+        return absmax
+
+    @triton.jit
+    def _nf4_to_e4m3_rows_kernel(
         packed_ptr,
         absmax_ptr,
         nested_absmax_ptr,
         code_ptr,
         dynamic_map_ptr,
-        scale_ptr,
+        inverse_ptr,
+        out_ptr,
+        offset,
+        blocks_total,
+        blocks_per_row,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCKS_PER_PROGRAM: tl.constexpr,
+        ROUND_FIRST: tl.constexpr,
+    ):
+        """[out, in] in the weight's own order: one row of the tile is one NF4 block, scaled by the
+        reciprocal of its output channel's scale."""
+        blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+        mask = blocks < blocks_total
+        absmax = _block_absmax(
+            absmax_ptr,
+            nested_absmax_ptr,
+            dynamic_map_ptr,
+            blocks,
+            mask,
+            offset,
+            NESTED_BLOCKSIZE,
+            DOUBLE_QUANT,
+        )
+        inverse = tl.load(inverse_ptr + blocks // blocks_per_row, mask=mask, other=0.0)[:, None]
+        byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
+        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, None], other=0).to(tl.int32)
+        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
+        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
+        values = tl.interleave(high * inverse, low * inverse)
+        offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+        tl.store(out_ptr + offsets, _to_e4m3_tile(values, ROUND_FIRST), mask=mask[:, None])
+
+    @triton.jit
+    def _nf4_to_e4m3_columns_kernel(
+        packed_ptr,
+        absmax_ptr,
+        nested_absmax_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        inverse_ptr,
         out_ptr,
         offset,
         rows,
-        in_features,
+        blocks_per_row,
         out_row_stride,
         BLOCKSIZE: tl.constexpr,
         NESTED_BLOCKSIZE: tl.constexpr,
         DOUBLE_QUANT: tl.constexpr,
-        TRANSPOSED: tl.constexpr,
         ROWS_PER_PROGRAM: tl.constexpr,
+        BLOCKS_PER_PROGRAM: tl.constexpr,
+        ROUND_FIRST: tl.constexpr,
     ):
-        """One program per (ROWS_PER_PROGRAM rows, one block column): the same NF4 block of each row,
-        so the transposed store writes runs of ROWS_PER_PROGRAM bytes."""
+        """[in, out]: a tile of ROWS_PER_PROGRAM rows by BLOCKS_PER_PROGRAM blocks of each, stored
+        transposed, so that each input channel gets ROWS_PER_PROGRAM consecutive bytes; scaled by the
+        reciprocal of its input channel's scale."""
         row = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-        block_column = tl.program_id(1).to(tl.int64)
+        block_column = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
         row_mask = row < rows
-        blocks = row * (in_features // BLOCKSIZE) + block_column
-        if DOUBLE_QUANT:
-            absmax_code = tl.load(absmax_ptr + blocks, mask=row_mask, other=0).to(tl.int32)
-            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=row_mask, other=0.0)
-            absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-        else:
-            absmax = tl.load(absmax_ptr + blocks, mask=row_mask, other=0.0)
-        byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
-        packed = tl.load(packed_ptr + byte_offsets, mask=row_mask[:, None], other=0).to(tl.int32)
-        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
-        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
-        values = tl.interleave(high, low)
-        columns = block_column * BLOCKSIZE + tl.arange(0, BLOCKSIZE)
-        if TRANSPOSED:
-            scale = tl.load(scale_ptr + columns)[None, :]
-            destinations = columns[None, :] * out_row_stride + row[:, None]
-        else:
-            scale = tl.load(scale_ptr + row, mask=row_mask, other=1.0)[:, None]
-            destinations = row[:, None] * out_row_stride + columns[None, :]
-        tl.store(out_ptr + destinations, _to_e4m3_tile(values, scale), mask=row_mask[:, None])
+        mask = row_mask[:, None] & (block_column < blocks_per_row)[None, :]
+        blocks = row[:, None] * blocks_per_row + block_column[None, :]
+        absmax = _block_absmax(
+            absmax_ptr,
+            nested_absmax_ptr,
+            dynamic_map_ptr,
+            blocks,
+            mask,
+            offset,
+            NESTED_BLOCKSIZE,
+            DOUBLE_QUANT,
+        )
+        half = tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+        packed = tl.load(
+            packed_ptr + blocks[:, :, None] * (BLOCKSIZE // 2) + half, mask=mask[:, :, None], other=0
+        )
+        packed = packed.to(tl.int32)
+        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, :, None]
+        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, :, None]
+        values = tl.reshape(tl.interleave(high, low), (ROWS_PER_PROGRAM, BLOCKS_PER_PROGRAM * BLOCKSIZE))
+        columns = tl.program_id(1).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCKSIZE) + tl.arange(
+            0, BLOCKS_PER_PROGRAM * BLOCKSIZE
+        )
+        column_mask = columns < blocks_per_row * BLOCKSIZE
+        inverse = tl.load(inverse_ptr + columns, mask=column_mask, other=0.0)[None, :]
+        destinations = columns[None, :] * out_row_stride + row[:, None]
+        tl.store(
+            out_ptr + destinations,
+            _to_e4m3_tile(values * inverse, ROUND_FIRST),
+            mask=row_mask[:, None] & column_mask[None, :],
+        )
 
 
 # ----------------------------------------------------------------------------- launchers
 
 _ROW_BLOCK = 2048
-_ROWS_PER_PROGRAM = 64
+_ELEMENTS_PER_PROGRAM = 4096
+_TRANSPOSED_ROWS = 32
+_TRANSPOSED_BLOCKS = 4
 
 
 def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,35 +304,60 @@ def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = min(_ROW_BLOCK, triton.next_power_of_2(columns))
-        _quantize_rows_kernel[(rows,)](x, q, scale, columns, x.stride(0), BLOCK=block)
+        _quantize_rows_kernel[(rows,)](
+            x, q, scale, columns, x.stride(0), BLOCK=block, ROUND_FIRST=interpreting()
+        )
     return q, scale
 
 
-def _nf4_to_e4m3_triton(weight: NF4Weight, scale: torch.Tensor, out: torch.Tensor, transposed: bool) -> None:
-    """`weight` into `out`, a [rows, in] view (or [in, rows] when transposed) with unit column
-    stride; `scale` holds its rows' scales, or every column's when transposed."""
+def _nf4_to_e4m3_triton(
+    weight: NF4Weight, inverse: torch.Tensor, out: torch.Tensor, transposed: bool
+) -> None:
+    """`weight` into `out`: its rows of the contiguous stack [sum(out), in], with `inverse` the
+    reciprocals of its rows' scales; or, transposed, its columns of [in, sum(out)], with `inverse`
+    those of every input channel's scale."""
     code, _, dynamic_map = _tables(weight.device)
     rows, in_features = weight.shape
-    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), in_features // weight.blocksize)
-    _nf4_to_e4m3_kernel[grid](
-        weight.packed,
-        weight.absmax,
-        weight.nested_absmax if weight.double_quant else weight.absmax,
+    blocks_per_row = in_features // weight.blocksize
+    tables = (weight.packed, weight.absmax, weight.nested_absmax if weight.double_quant else weight.absmax)
+    common = {
+        "BLOCKSIZE": weight.blocksize,
+        "NESTED_BLOCKSIZE": weight.nested_blocksize,
+        "DOUBLE_QUANT": weight.double_quant,
+        "ROUND_FIRST": interpreting(),
+        # The absmax product and the offset add are rounded separately, as kernels.nf4 does.
+        "enable_fp_fusion": False,
+    }
+    if transposed:
+        grid = (triton.cdiv(rows, _TRANSPOSED_ROWS), triton.cdiv(blocks_per_row, _TRANSPOSED_BLOCKS))
+        _nf4_to_e4m3_columns_kernel[grid](
+            *tables,
+            code,
+            dynamic_map,
+            inverse,
+            out,
+            weight.nested_offset,
+            rows,
+            blocks_per_row,
+            out.stride(0),
+            ROWS_PER_PROGRAM=_TRANSPOSED_ROWS,
+            BLOCKS_PER_PROGRAM=_TRANSPOSED_BLOCKS,
+            **common,
+        )
+        return
+    per_program = max(1, _ELEMENTS_PER_PROGRAM // weight.blocksize)
+    blocks_total = rows * blocks_per_row
+    _nf4_to_e4m3_rows_kernel[(triton.cdiv(blocks_total, per_program),)](
+        *tables,
         code,
         dynamic_map,
-        scale,
+        inverse,
         out,
         weight.nested_offset,
-        rows,
-        in_features,
-        out.stride(0),
-        BLOCKSIZE=weight.blocksize,
-        NESTED_BLOCKSIZE=weight.nested_blocksize,
-        DOUBLE_QUANT=weight.double_quant,
-        TRANSPOSED=transposed,
-        ROWS_PER_PROGRAM=_ROWS_PER_PROGRAM,
-        # The absmax product and the offset add are rounded separately, as kernels.nf4 does.
-        enable_fp_fusion=False,
+        blocks_total,
+        blocks_per_row,
+        BLOCKS_PER_PROGRAM=per_program,
+        **common,
     )
 
 
@@ -292,9 +404,9 @@ def nf4_to_e4m3(
     for weight in weights:
         stop = start + weight.shape[0]
         if transposed:
-            _nf4_to_e4m3_triton(weight, scales.column, out[:, start:stop], transposed=True)
+            _nf4_to_e4m3_triton(weight, scales.column_inverse, out[:, start:stop], transposed=True)
         else:
-            _nf4_to_e4m3_triton(weight, scales.row[start:stop], out[start:stop], transposed=False)
+            _nf4_to_e4m3_triton(weight, scales.row_inverse[start:stop], out[start:stop], transposed=False)
         start = stop
     return out
 
