@@ -149,26 +149,47 @@ if TRITON_AVAILABLE:
         return scaled.to(tl.float8e4nv)
 
     @triton.jit
+    def _row_scale(row_largest):
+        return tl.where(row_largest > 0, row_largest * (1.0 / 448.0), 1.0)
+
+    @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, q_ptr, scale_ptr, columns, x_row_stride, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        columns,
+        x_row_stride,
+        BLOCK: tl.constexpr,
+        WHOLE_ROW: tl.constexpr,
+        ROUND_FIRST: tl.constexpr,
     ):
-        """One program per row: its largest magnitude, then the row times its scale's reciprocal."""
+        """One program per row: its largest magnitude, then the row times its scale's reciprocal.
+        A row of at most BLOCK values (WHOLE_ROW) is read once and kept; a longer one is read twice."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_row_stride
-        largest = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, columns, BLOCK):
-            offsets = start + tl.arange(0, BLOCK)
-            values = tl.load(x_row + offsets, mask=offsets < columns, other=0.0).to(tl.float32)
-            largest = tl.maximum(largest, tl.abs(values))
-        row_largest = tl.max(largest, axis=0)
-        scale = tl.where(row_largest > 0, row_largest * (1.0 / 448.0), 1.0)
-        tl.store(scale_ptr + row, scale)
-        inverse = tl.math.div_rn(1.0, scale)
-        for start in range(0, columns, BLOCK):
-            offsets = start + tl.arange(0, BLOCK)
+        q_row = q_ptr + row * columns
+        if WHOLE_ROW:
+            offsets = tl.arange(0, BLOCK)
             mask = offsets < columns
             values = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * columns + offsets, _to_e4m3_tile(values * inverse, ROUND_FIRST), mask=mask)
+            scale = _row_scale(tl.max(tl.abs(values), axis=0))
+            tl.store(scale_ptr + row, scale)
+            inverse = tl.math.div_rn(1.0, scale)
+            tl.store(q_row + offsets, _to_e4m3_tile(values * inverse, ROUND_FIRST), mask=mask)
+        else:
+            largest = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, columns, BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                values = tl.load(x_row + offsets, mask=offsets < columns, other=0.0).to(tl.float32)
+                largest = tl.maximum(largest, tl.abs(values))
+            scale = _row_scale(tl.max(largest, axis=0))
+            tl.store(scale_ptr + row, scale)
+            inverse = tl.math.div_rn(1.0, scale)
+            for start in range(0, columns, BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                mask = offsets < columns
+                values = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
+                tl.store(q_row + offsets, _to_e4m3_tile(values * inverse, ROUND_FIRST), mask=mask)
 
     @triton.jit
     def _block_absmax(
@@ -293,6 +314,8 @@ if TRITON_AVAILABLE:
 # ----------------------------------------------------------------------------- launchers
 
 _ROW_BLOCK = 2048
+# Rows up to this long (hidden sizes, q/k/v outputs) are held whole and read once.
+_WHOLE_ROW = 8192
 _ELEMENTS_PER_PROGRAM = 4096
 _TRANSPOSED_ROWS = 32
 _TRANSPOSED_BLOCKS = 4
@@ -303,9 +326,18 @@ def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, columns, dtype=E4M3, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block = min(_ROW_BLOCK, triton.next_power_of_2(columns))
+        whole_row = columns <= _WHOLE_ROW
+        block = triton.next_power_of_2(columns) if whole_row else _ROW_BLOCK
         _quantize_rows_kernel[(rows,)](
-            x, q, scale, columns, x.stride(0), BLOCK=block, ROUND_FIRST=interpreting()
+            x,
+            q,
+            scale,
+            columns,
+            x.stride(0),
+            BLOCK=block,
+            WHOLE_ROW=whole_row,
+            ROUND_FIRST=interpreting(),
+            num_warps=8 if block >= 4096 else 4,
         )
     return q, scale
 

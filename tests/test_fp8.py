@@ -50,7 +50,7 @@ def _rows_with_every_range(rows, columns, dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("columns", [100, 3000])
+@pytest.mark.parametrize("columns", [100, 3000, 9000])
 def test_quantize_rows_kernel_matches_reference(dtype, columns):
     x = _rows_with_every_range(7, columns, dtype)
     q, scale = quantize_rows(x)
