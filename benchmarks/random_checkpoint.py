@@ -30,16 +30,9 @@ def write_checkpoint(
     return write_config_checkpoint(model_config(name, layers), out, device=device, seed=seed)
 
 
-def write_config_checkpoint(config: dict, out: Path, *, device: str = "cpu", seed: int = 0) -> Path:
-    """Random weights for any config.json qlora reads (a benchmark shape, or one a test edits)."""
-    spec = spec_from_config(config)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_TOKENIZER / file, out / file)
+def random_tensors(spec, *, device: str = "cpu", seed: int = 0):
+    """(name, bf16 tensor on `device`) for every tensor the spec expects, drawn as the checkpoints are."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     for tensor_name, shape in spec.expected_tensors().items():
         if tensor_name.endswith("norm.weight"):
             # Qwen3.5's zero-centred norms scale by 1 + w; its gated norm, like every other family's, by w.
@@ -51,7 +44,20 @@ def write_config_checkpoint(config: dict, out: Path, *, device: str = "cpu", see
             tensor = torch.ones(shape, device=device)
         else:
             tensor = torch.randn(shape, generator=generator, device=device) * (0.5 / shape[-1] ** 0.5)
-        tensor = tensor.to(torch.bfloat16).cpu()
+        yield tensor_name, tensor.to(torch.bfloat16)
+
+
+def write_config_checkpoint(config: dict, out: Path, *, device: str = "cpu", seed: int = 0) -> Path:
+    """Random weights for any config.json qlora reads (a benchmark shape, or one a test edits)."""
+    spec = spec_from_config(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_TOKENIZER / file, out / file)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for tensor_name, tensor in random_tensors(spec, device=device, seed=seed):
+        tensor = tensor.cpu()
         if size + tensor.numel() * 2 > SHARD_BYTES and shards[-1]:
             shards.append({})
             size = 0

@@ -313,12 +313,14 @@ if TRITON_AVAILABLE:
 
 # ----------------------------------------------------------------------------- launchers
 
-_ROW_BLOCK = 2048
+# Tile sizes timed on an H200 at Qwen2.5-7B's shapes (benchmarks/RESULTS.md): 8192 values a program
+# for the forward layout, 128 rows of one block for the transposed one, 4096-value chunks of long rows.
+_ROW_BLOCK = 4096
 # Rows up to this long (hidden sizes, q/k/v outputs) are held whole and read once.
 _WHOLE_ROW = 8192
-_ELEMENTS_PER_PROGRAM = 4096
-_TRANSPOSED_ROWS = 32
-_TRANSPOSED_BLOCKS = 4
+_ELEMENTS_PER_PROGRAM = 8192
+_TRANSPOSED_ROWS = 128
+_TRANSPOSED_BLOCKS = 1
 
 
 def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,14 +5,16 @@ import json
 import pytest
 import torch
 from checkpoints import write_run
+from rich.console import Console
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import active_profiler, region, timed
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.profiler.calibration import Calibration
 from qlora_cli.profiler.command import profile
-from qlora_cli.profiler.recorder import OpProfiler
-from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED
+from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
+from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED, build_report, render_table
 from qlora_kernels.rope import apply_rope
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
@@ -231,3 +233,28 @@ def test_a_call_the_work_model_cannot_read_fails_loudly():
     assert profiler.steps[0].rows[Op.ROPE].bytes == 2 * (q.numel() + k.numel()) * 4
     with pytest.raises(TypeError, match="work model of rope .*'q_norm_weight'"), OpProfiler().step("cpu"):
         timed(Op.ROPE, renamed_rope, q, k, positions, inv_freq)
+
+
+def test_fp8_runs_compare_the_frozen_gemm_rows_with_the_fp8_roofline():
+    """Under fp8 the projection rows (forward and backward) are marked and measured against the
+    e4m3 matmul's peak; every other row keeps the bf16 matmul's."""
+    rows = {
+        Op.QKV_GEMM: RowStat(ms=1.0, calls=1, flops=1e12, bytes=1e6),
+        Op.DOWN_BWD: RowStat(ms=1.0, calls=1, flops=1e12, bytes=1e6),
+        Op.ATTENTION: RowStat(ms=1.0, calls=1, flops=1e12, bytes=1e6),
+    }
+    profiler = OpProfiler()
+    profiler.steps = [StepRecord(total_ms=10.0, rows=rows, tokens=100, micro_batches=1)]
+    calibration = Calibration("H200", "bfloat16", 8192, 500.0, 1024, 4000.0, fp8_matmul_tflops=1000.0)
+    lora = {Op.LORA_FWD: (0.0, 0), Op.LORA_BWD: (0.0, 0)}
+    report = build_report(profiler, profiler.steps, calibration, lora)
+    # 1e12 FLOP in 1 ms is 1,000 TFLOP/s: all of the e4m3 peak, twice the bf16 one.
+    assert report.row("qkv_gemm").fp8 and report.row("qkv_gemm").roofline_percent == pytest.approx(100.0)
+    assert report.row("down_bwd").fp8 and report.row("down_bwd").roofline_percent == pytest.approx(100.0)
+    assert not report.row("attention").fp8 and report.row("attention").roofline_percent == pytest.approx(
+        200.0
+    )
+    console = Console(width=200, record=True)
+    console.print(render_table(report))
+    text = console.export_text()
+    assert "qkv_gemm (fp8)" in text and "attention (fp8)" not in text and "e4m3 matmul" in text

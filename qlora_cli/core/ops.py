@@ -102,5 +102,16 @@ LAYER_BACKWARD = (
 HYBRID_ROWS = (Op.CONV1D, Op.DELTA_RULE, Op.GATES, Op.CONV1D_BWD, Op.DELTA_RULE_BWD, Op.GATES_BWD)
 OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
 LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)
+# The rows whose FLOPs are the frozen projections' GEMMs: in FP8 under fp8: true.
+FROZEN_GEMM_ROWS = (
+    Op.QKV_GEMM,
+    Op.O_PROJ,
+    Op.GATE_UP_GEMM,
+    Op.DOWN_GEMM,
+    Op.QKV_BWD,
+    Op.O_PROJ_BWD,
+    Op.GATE_UP_BWD,
+    Op.DOWN_BWD,
+)
 # Regions that only bracket other regions: their own time stays unattributed.
 SCOPES = (Op.BACKWARD,)

@@ -17,6 +17,8 @@ class Calibration:
     matmul_tflops: float
     copy_mib: int
     copy_gbps: float
+    # Measured only for a run whose frozen projections multiply in FP8 (config key fp8).
+    fp8_matmul_tflops: float | None = None
 
 
 def _matmul_ms(size: int, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
@@ -25,14 +27,30 @@ def _matmul_ms(size: int, device: torch.device, dtype: torch.dtype, repeats: int
     return measure(lambda: a @ b, device, repeats=repeats).min_ms
 
 
+def _fp8_matmul_ms(size: int, device: torch.device, repeats: int) -> float:
+    """A rowwise-scaled e4m3 GEMM, the kind kernels.fp8 runs for the frozen projections."""
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    a_scale = torch.ones(size, 1, device=device)
+    b_scale = torch.ones(1, size, device=device)
+    return measure(
+        lambda: torch._scaled_mm(a, b.T, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16),
+        device,
+        repeats=repeats,
+    ).min_ms
+
+
 def _copy_ms(size_bytes: int, device: torch.device, repeats: int) -> float:
     src = torch.ones(size_bytes // 4, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
     return measure(lambda: dst.copy_(src), device, repeats=repeats).min_ms
 
 
-def calibrate(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Calibration:
-    """One large matmul (TFLOP/s) and one large device copy (GB/s, read + write), best of a few.
+def calibrate(
+    device: torch.device | str, dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False
+) -> Calibration:
+    """One large matmul (TFLOP/s) and one large device copy (GB/s, read + write), best of a few;
+    with `fp8`, one large e4m3 matmul too (on CUDA, where fp8 runs).
 
     On CUDA the matmul runs in `dtype` (bf16 for training); on the CPU in fp32.
     """
@@ -50,4 +68,7 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -
         matmul_tflops=2.0 * size**3 / (matmul_ms * 1e-3) / 1e12,
         copy_mib=copy_mib,
         copy_gbps=2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9,
+        fp8_matmul_tflops=2.0 * size**3 / (_fp8_matmul_ms(size, device, repeats) * 1e-3) / 1e12
+        if fp8 and cuda
+        else None,
     )

@@ -77,7 +77,7 @@ def profile(
         f"profiling {run.model.spec.model_type} · {run.model.spec.num_layers} layers on {run.device}: "
         f"{warmup} warm-up + {steps} timed steps"
     )
-    calibration = calibrate(run.device, dtype)
+    calibration = calibrate(run.device, dtype, fp8=config.fp8)
     profiler = OpProfiler(warmup_steps=warmup)
 
     def one_step(step: int) -> None:
@@ -104,4 +104,4 @@ def profiled_train(
     """
     profiler = OpProfiler(warmup_steps=1)
     result = train(config, console=console, observe_step=profiler.step)
-    return result, profile_report(profiler)
+    return result, profile_report(profiler, fp8=config.fp8)

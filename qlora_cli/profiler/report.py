@@ -10,7 +10,15 @@ from rich.console import Console
 from rich.table import Table
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.ops import HYBRID_ROWS, LAYER_BACKWARD, LAYER_FORWARD, LORA_ROWS, OUTSIDE_LAYERS, Op
+from qlora_cli.core.ops import (
+    FROZEN_GEMM_ROWS,
+    HYBRID_ROWS,
+    LAYER_BACKWARD,
+    LAYER_FORWARD,
+    LORA_ROWS,
+    OUTSIDE_LAYERS,
+    Op,
+)
 from qlora_cli.profiler.calibration import Calibration, calibrate
 from qlora_cli.profiler.lora import lora_share
 from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
@@ -33,6 +41,8 @@ class Row:
     gbps: float | None = None
     roofline_percent: float | None = None
     part_of: str | None = None
+    # Its GEMMs ran in FP8, and its roofline is the FP8 matmul's.
+    fp8: bool = False
 
 
 @dataclass
@@ -64,7 +74,8 @@ class ProfileReport:
 
 
 def _throughput(row: Row, stat: RowStat, calibration: Calibration) -> None:
-    """Achieved rate and % of the roofline min(peak FLOP/s, intensity x peak bandwidth)."""
+    """Achieved rate and % of the roofline min(peak FLOP/s, intensity x peak bandwidth); an FP8
+    row's peak FLOP/s is the e4m3 matmul's."""
     if stat.calls:
         row.flops_per_call = stat.flops / stat.calls or None
         row.bytes_per_call = stat.bytes / stat.calls or None
@@ -75,7 +86,8 @@ def _throughput(row: Row, stat: RowStat, calibration: Calibration) -> None:
         row.tflops = stat.flops / seconds / 1e12
     if stat.bytes:
         row.gbps = stat.bytes / seconds / 1e9
-    peak_flops, peak_bytes = calibration.matmul_tflops * 1e12, calibration.copy_gbps * 1e9
+    matmul_tflops = calibration.fp8_matmul_tflops if row.fp8 else calibration.matmul_tflops
+    peak_flops, peak_bytes = matmul_tflops * 1e12, calibration.copy_gbps * 1e9
     if stat.flops and stat.bytes:
         attainable = min(peak_flops, stat.flops / stat.bytes * peak_bytes)
         row.roofline_percent = 100.0 * stat.flops / seconds / attainable
@@ -131,10 +143,16 @@ def build_report(
             row = Row(
                 op.value, section, ms, 100.0 * ms / step_ms, stat.calls / count, stat.recomputed / count
             )
+            row.fp8 = calibration.fp8_matmul_tflops is not None and op in FROZEN_GEMM_ROWS
             _throughput(row, stat, calibration)
             rows.append(row)
     attributed = sum(r.ms for r in rows)
     notes = list(NOTES)
+    if calibration.fp8_matmul_tflops is not None:
+        notes.append(
+            "fp8: the frozen projections multiply in e4m3 (rows marked fp8, against the e4m3 matmul's "
+            "roofline); LoRA's products in them stay in bf16"
+        )
     recomputed = sum(r.recomputed for r in rows)
     if recomputed:
         notes.append(
@@ -171,12 +189,15 @@ def build_report(
     )
 
 
-def profile_report(profiler: OpProfiler, calibration: Calibration | None = None) -> ProfileReport:
-    """The table's numbers, averaged over the recorder's counted steps; calibrates now if not given."""
+def profile_report(
+    profiler: OpProfiler, calibration: Calibration | None = None, *, fp8: bool = False
+) -> ProfileReport:
+    """The table's numbers, averaged over the recorder's counted steps; calibrates now if not given
+    (the e4m3 matmul too, for a run with fp8)."""
     steps = profiler.counted_steps()
     if not steps:
         raise QLoraError("no step was profiled")
-    calibration = calibration or calibrate(profiler.device, profiler.dtype)
+    calibration = calibration or calibrate(profiler.device, profiler.dtype, fp8=fp8)
     return build_report(profiler, steps, calibration, lora_share(profiler, steps))
 
 
@@ -208,6 +229,7 @@ def render_table(report: ProfileReport) -> Table:
             f"{report.tokens_per_step:,.0f} tokens/step · {tokens_per_s:,.0f} tokens/s\n"
             f"roofline measured now: {cal.matmul_tflops:,.2f} TFLOP/s ({cal.dtype} matmul {cal.matmul_size}³) · "
             f"{cal.copy_gbps:,.1f} GB/s (copy of {cal.copy_mib} MiB)"
+            + (f" · {cal.fp8_matmul_tflops:,.2f} TFLOP/s (e4m3 matmul)" if cal.fp8_matmul_tflops else "")
         ),
         box=box.SIMPLE_HEAD,
         caption="\n".join(report.notes),
@@ -225,7 +247,7 @@ def render_table(report: ProfileReport) -> Table:
             section = row.section
         style = "dim" if row.part_of else ("bold" if row.name == TOTAL else None)
         table.add_row(
-            row.name,
+            f"{row.name} (fp8)" if row.fp8 else row.name,
             _number(row.ms, 3),
             _number(row.percent, 1),
             _calls(row),

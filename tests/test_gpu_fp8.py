@@ -1,0 +1,100 @@
+"""FP8 in whole training steps on the GPU: against the bf16 step at the layer shapes of each family
+qlora trains, and replayed as a CUDA graph with LoRA dropout and offloaded activations."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.random_checkpoint import random_tensors
+from benchmarks.shapes import model_config
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.train.graphs import GraphedLoss
+from qlora_cli.train.step import micro_batch_backward
+
+pytestmark = pytest.mark.gpu
+
+# Qwen3.5 needs four layers for one full-attention layer among its Gated DeltaNet ones.
+SHAPES = {"qwen2.5-7b": 2, "llama-3.1-8b": 2, "qwen3.5-9b": 4}
+# One e4m3 product: each operand off by at most 2^-4 of itself, uniformly, so 2^-4 / sqrt(3) rms,
+# and sqrt(2) of that for the two; independent products along a gradient's path add in quadrature.
+PRODUCT_RMS = math.sqrt(2) * 2.0**-4 / math.sqrt(3)
+
+
+def _model(shape: str, fp8: bool, **options) -> QLoRAModel:
+    spec = spec_from_config(model_config(shape, SHAPES[shape]))
+    lora = LoRAConfig(r=16, dropout=options.pop("dropout", 0.0))
+    model = QLoRAModel.on_device(spec, lora, "cuda", seed=1, **options)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for layer in model.layers:
+        for group in layer.projections.values():
+            for b in group.lora_B.values():
+                with torch.no_grad():
+                    b.normal_(0, 0.02, generator=generator)
+    model.load_base(random_tensors(spec, device="cuda"), quantize=True, dtype=torch.bfloat16)
+    if fp8:
+        model.use_fp8()
+    return model.train()
+
+
+def _batch(vocab_size: int, tokens: int = 2048):
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, vocab_size, (1, tokens), generator=generator, device="cuda")
+    labels = ids.roll(-1, dims=1)
+    labels[:, : tokens // 8] = -100
+    return ids, labels
+
+
+def _loss_and_grads(model, batch):
+    for p in model.trainable_parameters():
+        p.grad = None
+    loss_sum, count = model.loss(*batch)
+    (loss_sum / count).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return float(loss_sum / count), grads
+
+
+def _fp8_products(model) -> int:
+    """Forward and input-gradient products of every frozen projection group."""
+    return 2 * sum(len(layer.projections) for layer in model.layers)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_step_follows_the_bf16_step(shape):
+    bf16 = _model(shape, fp8=False)
+    batch = _batch(bf16.spec.vocab_size)
+    want_loss, want = _loss_and_grads(bf16, batch)
+    del bf16
+    torch.cuda.empty_cache()
+    model = _model(shape, fp8=True)
+    assert all(group.fp8 is not None for layer in model.layers for group in layer.projections.values())
+    loss, grads = _loss_and_grads(model, batch)
+    bound = PRODUCT_RMS * math.sqrt(_fp8_products(model))
+    assert abs(loss - want_loss) / want_loss < PRODUCT_RMS
+    assert loss != want_loss, "the frozen products did not run in e4m3"
+    for name, grad in want.items():
+        error = float((grads[name] - grad).norm() / grad.norm())
+        assert error < bound, f"{name}: relative gradient error {error:.3g}, bound {bound:.3g}"
+
+
+def test_fp8_step_replays_as_a_cuda_graph_with_dropout_and_offload():
+    """The capture takes the FP8 kernels and the scaled GEMMs as they are: the replayed step gives
+    the eager step's loss and gradients, LoRA dropout and offloaded layer inputs included."""
+    model = _model("qwen2.5-7b", fp8=True, dropout=0.1, checkpoint_layers=2, offload_activations=True)
+    ids, labels = _batch(model.spec.vocab_size)
+    count = int((labels != -100).sum())
+    params = model.trainable_parameters()
+    graphed = GraphedLoss(model.loss, torch.device("cuda"), model.spec.vocab_size)
+    results = []
+    for _ in range(3):  # eager (compiles), capture, replay
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()  # the graph writes into the gradients it was captured with
+        model.set_dropout_seed(7)
+        loss = micro_batch_backward(model.loss, (ids, labels), 1 / count, graphed)
+        results.append((float(loss), [p.grad.float().clone() for p in params]))
+    (eager_loss, eager), (_, _), (replay_loss, replay) = results
+    assert replay_loss == pytest.approx(eager_loss, rel=1e-5)
+    for a, b in zip(replay, eager, strict=True):
+        assert (a - b).norm() <= 1e-3 * b.norm()
