@@ -36,6 +36,7 @@ if TRITON_AVAILABLE:
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+SMALLEST_SCALE = 2.0**-120
 # cuBLAS's FP8 GEMMs take inner and output sizes in multiples of 16.
 GEMM_MULTIPLE = 16
 
@@ -57,8 +58,10 @@ class FP8Scales:
 
 def _scale_of(largest: torch.Tensor) -> torch.Tensor:
     """largest * (1 / 448), a product (the kernels form the same one; a division by a constant is
-    not the same on every device); 1 where everything is zero, so a zero row stays zero."""
-    return torch.where(largest > 0, largest * (1.0 / E4M3_MAX), torch.ones_like(largest))
+    not the same on every device), and at least 2^-120: the reciprocal the quantizers multiply by
+    stays finite for a row of zeros or of values near fp32's smallest (gradients of masked tokens),
+    which then round to e4m3's subnormal steps, off by at most 2^-130."""
+    return torch.clamp_min(largest * (1.0 / E4M3_MAX), SMALLEST_SCALE)
 
 
 def fp8_shape_error(weights: Sequence[object]) -> str | None:
@@ -150,7 +153,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _row_scale(row_largest):
-        return tl.where(row_largest > 0, row_largest * (1.0 / 448.0), 1.0)
+        return tl.maximum(row_largest * (1.0 / 448.0), 7.52316384526264e-37)  # SMALLEST_SCALE
 
     @triton.jit
     def _quantize_rows_kernel(

@@ -41,11 +41,13 @@ def _bytes(tensor):
 
 
 def _rows_with_every_range(rows, columns, dtype, device="cpu"):
-    """Normal rows, an all-zero row and a row whose values span e4m3's subnormals."""
+    """Normal rows, an all-zero row, a row whose values span e4m3's subnormals and one of values
+    near fp32's smallest normal one (a masked token's gradient), whose scale's reciprocal must stay finite."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(rows, columns, generator=generator)
     x[1] = 0.0
     x[2] = torch.logspace(-8, 0, columns) * torch.sign(torch.randn(columns, generator=generator))
+    x[3] = 1e-37 * torch.sign(torch.randn(columns, generator=generator))
     return x.to(dtype).to(device)
 
 
@@ -56,7 +58,9 @@ def test_quantize_rows_kernel_matches_reference(dtype, columns):
     q, scale = quantize_rows(x)
     want_q, want_scale = quantize_rows_reference(x)
     assert torch.equal(_bytes(q), _bytes(want_q)) and torch.equal(scale, want_scale)
-    assert q[1].float().abs().max() == 0 and scale[1] == 1
+    assert q[1].float().abs().max() == 0 and not q.float().isnan().any()
+    tiny = x[3].float()
+    assert ((q[3].float() * scale[3] - tiny).abs() <= RELATIVE * tiny.abs() + SUBNORMAL_STEP * scale[3]).all()
     assert (q.float().abs().amax(dim=1)[[0, 2]] == E4M3_MAX).all()
     # A row-strided view (the left columns of a wider tensor) is read through its stride.
     wide = torch.cat([x, x], dim=1)
