@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunAborted
 from qlora_cli.core.wording import count
 from qlora_cli.train.signals import answer_signals, ignore_signals
@@ -24,7 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=True,
 )
-console = Console(stderr=True)
+console = OutputConsole(stderr=True)
 
 ConfigArg = Annotated[
     Path, typer.Argument(help="Training config (YAML, Axolotl key names).", show_default=False)
@@ -127,7 +127,7 @@ def data(
     from qlora_cli.data.report import data_report, print_data_report
 
     report = data_report(load_config(config, set_ or ()))
-    print_data_report(report, Console(), show)
+    print_data_report(report, OutputConsole(), show)
 
 
 @app.command()

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from qlora_cli.config.loading import apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
@@ -196,7 +197,7 @@ def train(
     started = time.perf_counter()
     if resume_from is None:
         resume_from = configured_resume(config)
-    console = console or Console(stderr=True)
+    console = console or OutputConsole(stderr=True)
     output_dir = Path(config.output_dir)
     trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
     with (
@@ -207,7 +208,7 @@ def train(
         ) as ownership,
     ):
         if not dist.is_main:
-            console = signals.console = Console(quiet=True)
+            console = signals.console = OutputConsole(quiet=True)
         signals.resume_option = dist.resume_option
         for folder in ownership.set_aside:
             console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
