@@ -337,7 +337,8 @@ def test_qwen3_5_vl_layout_streams_the_text_decoder_as_a_causal_lm_names_it(qwen
     locations = locate_tensors(folder, spec)
     assert locations.skipped == {"vision-tower": 33, "MTP": 4}
     assert locations.note() == (
-        "skipped 33 vision-tower and 4 MTP tensors of the checkpoint (not trained; qlora trains the text decoder)"
+        "skipped 33 vision-tower tensors and 4 MTP tensors of the checkpoint (not trained; qlora trains the "
+        "text decoder)"
     )
 
 

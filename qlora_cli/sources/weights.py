@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import LINEAR_ATTENTION_PROJECTIONS
+from qlora_cli.core.wording import count
 from qlora_cli.sources.rope import RopeScaling, rope_config, rope_frequencies
 
 # Each model_type qlora trains, with the families it covers (for the one-line refusal of the others).
@@ -398,8 +399,8 @@ class TensorLocations:
         """One line for the user when parts of the checkpoint are not trained, else None."""
         if not self.skipped:
             return None
-        parts = " and ".join(f"{count} {part}" for part, count in self.skipped.items())
-        return f"skipped {parts} tensors of the checkpoint (not trained; qlora trains the text decoder)"
+        parts = " and ".join(count(tensors, f"{part} tensor") for part, tensors in self.skipped.items())
+        return f"skipped {parts} of the checkpoint (not trained; qlora trains the text decoder)"
 
 
 def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
