@@ -108,7 +108,7 @@ def test_data_without_packing_reports_padding(tmp_path, run_cli, tokenizer_only_
         ({"train_on_eos": "sometimes"}, {}, r"config key 'datasets\[0\]\.train_on_eos': expected one of 'turn', 'all', 'last', 'none'"),
         ({"field_messages": "messages"}, {}, r"chats\.jsonl:1: missing field 'messages'"),
         ({}, {"val_set_size": 0.1, "test_datasets": [{"path": "x.jsonl"}]}, "'test_datasets' and 'val_set_size' both"),
-        ({}, {"sequence_len": 100000}, "above the model's maximum"),
+        ({}, {"sequence_len": 100000}, "100000 is above the model's maximum of 2,048 \\(max_position_embeddings\\)"),
     ],
 )  # fmt: skip
 def test_bad_data_input_is_one_line_and_exit_2(

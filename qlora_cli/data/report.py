@@ -94,7 +94,7 @@ def data_report(config: TrainConfig) -> DataReport:
         if config.sequence_len > spec.max_position_embeddings:
             raise QLoraError(
                 f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-                f"of {spec.max_position_embeddings} (max_position_embeddings)"
+                f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
             )
     tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)

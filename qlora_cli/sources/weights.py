@@ -224,7 +224,7 @@ def _layer_types(cfg: dict, num_layers: int, where: str) -> tuple[str, ...]:
         return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
     if not isinstance(types, list) or len(types) != num_layers or set(types) - set(LAYER_TYPES):
         raise QLoraError(
-            f"{where}: layer_types must list {num_layers} entries (num_hidden_layers) of "
+            f"{where}: layer_types must list {count(num_layers, 'entry', 'entries')} (num_hidden_layers) of "
             f"{' or '.join(LAYER_TYPES)}, got {types!r}"
         )
     return tuple(types)

@@ -150,7 +150,7 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
     if config.sequence_len > spec.max_position_embeddings:
         raise QLoraError(
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
         )
     # Within a window as long as the row, sliding-window attention is plain causal attention.
     if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
