@@ -102,9 +102,12 @@ def train(
         from qlora_cli.train.loop import train as run_training
 
         result = run_training(load_config(config, set_ or ()), console=console)
-    console.print(
-        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
-    )
+    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
+
+
+def _done(text: str) -> None:
+    """The last line of a command that worked; its text is printed as it is (a path may hold brackets)."""
+    console.print(f"[green]done[/]: {escape(text)}")
 
 
 def _timing(result) -> str:
@@ -163,9 +166,7 @@ def resume(
         console=console,
         accept_changed_data=accept_changed_data,
     )
-    console.print(
-        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
-    )
+    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
 
 
 @app.command()
@@ -247,7 +248,7 @@ def export(
         what = f"merged model ({result.base} base, {result.dtype}, {count(result.shards, 'shard')})"
     else:
         what = "PEFT adapter"
-    console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")
+    _done(f"{what} of {result.checkpoint} in {result.out}")
 
 
 SourceArg = Annotated[
@@ -408,5 +409,5 @@ def main() -> None:
         sys.exit(err.exit_code)
     except RunAborted as err:
         ignore_signals()
-        console.print(f"[bold red]interrupted:[/] {err}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]interrupted:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)

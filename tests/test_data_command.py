@@ -135,8 +135,8 @@ def test_data_takes_the_special_tokens_training_takes(tmp_path, run_cli, tokeniz
 
 def test_into_a_pipe_lines_stay_whole_and_the_table_keeps_its_width(tmp_path, tokenizer_only_model):
     """A job log is grepped: a path longer than any terminal stays on its line, in the table and in the
-    note; the rule over an example still spans the 80 columns rich would have wrapped at."""
-    folder = tmp_path / ("d" * 150) / ("e" * 150)
+    note, brackets and all; the rule over an example still spans the 80 columns rich would have wrapped at."""
+    folder = tmp_path / ("d" * 150) / "[v2]" / ("e" * 150)
     config = write_config(folder, tokenizer_only_model)
     data = folder / "chats.jsonl"
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
