@@ -8,6 +8,7 @@ import io
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,13 @@ def test_a_refused_prompt_leaves_out_as_it_was(run, tmp_path, run_cli):
     out.write_text("an earlier run's rows\n")
     error_line(run_cli(*args))
     assert list(tmp_path.iterdir()) == [out] and out.read_text() == "an earlier run's rows\n"
+
+
+def test_the_loaded_line_prints_a_bracketed_path_as_it_is(run, tmp_path, run_cli):
+    copy = tmp_path / "[v2]" / "out"
+    shutil.copytree(run, copy)
+    code, _, err = run_cli("generate", copy, "--prompt", "hi", "--max-new-tokens", 1)
+    assert code == 0 and f" + adapter of {copy / 'checkpoint-1'} in " in err, err
 
 
 def test_rows_record_the_system_message_and_the_summary_counts_right(run, tmp_path, run_cli):

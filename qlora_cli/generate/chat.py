@@ -109,7 +109,9 @@ def chat(
     conversation = Conversation(loaded, system)
     budget = loaded.sequence_len
     reserve = min(sampling.max_new_tokens, budget // 2)
-    console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+    console.print(
+        f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True, markup=False
+    )
     console.print(HELP, highlight=False)
     while True:
         console.print("[bold]>[/] ", end="")
@@ -129,7 +131,7 @@ def chat(
             console.print("(system message set)" if conversation.system else "(system message removed)")
             continue
         if command.startswith("/"):
-            console.print(f"(unknown command {command}; {HELP})", highlight=False)
+            console.print(f"(unknown command {command}; {HELP})", highlight=False, markup=False)
             continue
         if not text.strip():
             continue

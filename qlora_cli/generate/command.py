@@ -48,7 +48,12 @@ def generate(
     with _RowWriter(out) as writer:
         loaded = load_source(source, base_only=base_only, device=device)
         ids = [_prompt_ids(loaded, prompt, raw, system, console) for prompt in given]
-        console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+        console.print(
+            f"loaded {loaded.describe()} in {loaded.load_s:.1f}s",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
         engine = DecodingEngine(loaded.model)
         timing = Timing()
         rows = []
@@ -99,6 +104,7 @@ def _prompt_ids(
             f"(sequence_len {number(loaded.sequence_len)})",
             highlight=False,
             soft_wrap=True,
+            markup=False,
         )
     return ids
 
