@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from rich.table import Table
 
 from benchmarks.output import add_json_option, write_json
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.profiler.timing import Timing, measure
 from qlora_kernels.attention import attention
 from qlora_kernels.cross_entropy import linear_cross_entropy
@@ -229,7 +229,7 @@ def main() -> None:
         rows.append(row)
         table.add_row(*row)
         torch.cuda.empty_cache()
-    Console().print(table)
+    OutputConsole().print(table)
     if args.markdown:
         lines = ["| " + " | ".join(c.header for c in table.columns) + " |", "|" + "---|" * len(table.columns)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunAborted
 from qlora_cli.core.wording import count
 from qlora_cli.train.signals import answer_signals, ignore_signals
@@ -24,7 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=True,
 )
-console = Console(stderr=True)
+console = OutputConsole(stderr=True)
 
 ConfigArg = Annotated[
     Path, typer.Argument(help="Training config (YAML, Axolotl key names).", show_default=False)
@@ -102,9 +102,12 @@ def train(
         from qlora_cli.train.loop import train as run_training
 
         result = run_training(load_config(config, set_ or ()), console=console)
-    console.print(
-        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
-    )
+    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
+
+
+def _done(text: str) -> None:
+    """The last line of a command that worked; its text is printed as it is (a path may hold brackets)."""
+    console.print(f"[green]done[/]: {escape(text)}")
 
 
 def _timing(result) -> str:
@@ -127,7 +130,7 @@ def data(
     from qlora_cli.data.report import data_report, print_data_report
 
     report = data_report(load_config(config, set_ or ()))
-    print_data_report(report, Console(), show)
+    print_data_report(report, OutputConsole(), show)
 
 
 @app.command()
@@ -163,9 +166,7 @@ def resume(
         console=console,
         accept_changed_data=accept_changed_data,
     )
-    console.print(
-        f"[green]done[/]: {count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
-    )
+    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
 
 
 @app.command()
@@ -247,7 +248,7 @@ def export(
         what = f"merged model ({result.base} base, {result.dtype}, {count(result.shards, 'shard')})"
     else:
         what = "PEFT adapter"
-    console.print(f"[green]done[/]: {what} of {result.checkpoint} in {result.out}")
+    _done(f"{what} of {result.checkpoint} in {result.out}")
 
 
 SourceArg = Annotated[
@@ -408,5 +409,5 @@ def main() -> None:
         sys.exit(err.exit_code)
     except RunAborted as err:
         ignore_signals()
-        console.print(f"[bold red]interrupted:[/] {err}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]interrupted:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)

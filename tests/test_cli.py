@@ -162,6 +162,25 @@ def test_train_through_the_cli(tmp_path, run_cli):
     assert os.path.isfile(tmp_path / "run" / "out" / "checkpoint-3" / "adapter_model.safetensors")
 
 
+def test_done_and_resuming_lines_stay_whole_in_captured_output_however_long_the_path(tmp_path, run_cli):
+    """stderr here is no terminal, as in a job log: each line holds the whole output_dir, unbroken, its
+    brackets printed rather than read as markup."""
+    output_dir = tmp_path / ("o" * 150) / "[exp1]" / ("p" * 150)
+    code, _, err = run_cli("train", write_run(tmp_path / "run", max_steps=2, output_dir=str(output_dir)))
+    assert code == 0, err
+    done = [line for line in err.splitlines() if line.startswith("done: ")]
+    assert (
+        len(done) == 1
+        and done[0].startswith("done: 2 steps")
+        and done[0].endswith(f", adapter in {output_dir}")
+    )
+    code, _, err = run_cli("resume", output_dir, "--set", "max_steps=3")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert f"resuming from {output_dir / 'checkpoint-2'} at step 2" in lines
+    assert lines[-1].startswith("done: 3 steps") and lines[-1].endswith(f", adapter in {output_dir}")
+
+
 def test_profile_refuses_several_processes(tmp_path, run_cli):
     config = write_run(tmp_path / "run")
     code, _, err = run_cli("train", config, "--profile", "--nproc", "2")

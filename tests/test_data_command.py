@@ -1,8 +1,12 @@
 """`qlora data CONFIG`: statistics and highlighted examples from the tokenizer alone; every bad input one
 line and exit 2."""
 
+import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -11,6 +15,8 @@ from test_data import DEMO_MODEL, write_jsonl
 from qlora_cli.config.loading import load_config
 from qlora_cli.data.examples import BatchPlan
 from qlora_cli.data.report import data_report, highlighted
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -56,9 +62,7 @@ def test_data_prints_statistics_and_highlighted_examples(tmp_path, run_cli, toke
     assert report.datasets[0].dropped == 1
     assert f"training examples: 6 ({tokens:,} tokens, {trained:,} trained;" in out
     assert "evaluation examples: 2" in out
-    assert "chats.jsonl: dropped 1 row with no turn of a trained role (their roles: user)" in out.replace(
-        "\n", ""
-    )
+    assert "chats.jsonl: dropped 1 row with no turn of a trained role (their roles: user)" in out
     assert f"packing efficiency {report.fill:.1%}" in out
     plan = BatchPlan(
         report.train, micro_batch_size=2, sequence_len=64, sample_packing=True, seed=42, pad_token_id=0
@@ -104,7 +108,7 @@ def test_data_without_packing_reports_padding(tmp_path, run_cli, tokenizer_only_
         ({"train_on_eos": "sometimes"}, {}, r"config key 'datasets\[0\]\.train_on_eos': expected one of 'turn', 'all', 'last', 'none'"),
         ({"field_messages": "messages"}, {}, r"chats\.jsonl:1: missing field 'messages'"),
         ({}, {"val_set_size": 0.1, "test_datasets": [{"path": "x.jsonl"}]}, "'test_datasets' and 'val_set_size' both"),
-        ({}, {"sequence_len": 100000}, "above the model's maximum"),
+        ({}, {"sequence_len": 100000}, "100000 is above the model's maximum of 2,048 \\(max_position_embeddings\\)"),
     ],
 )  # fmt: skip
 def test_bad_data_input_is_one_line_and_exit_2(
@@ -127,3 +131,27 @@ def test_data_takes_the_special_tokens_training_takes(tmp_path, run_cli, tokeniz
     assert code == 2
     assert "config key 'special_tokens.pad_token': '<|end_of_text|>' is not in the vocabulary" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_into_a_pipe_lines_stay_whole_and_the_table_keeps_its_width(tmp_path, tokenizer_only_model):
+    """A job log is grepped: a path longer than any terminal stays on its line, in the table and in the
+    note, brackets and all; the rule over an example still spans the 80 columns rich would have wrapped at."""
+    folder = tmp_path / ("d" * 150) / "[v2]" / ("e" * 150)
+    config = write_config(folder, tokenizer_only_model)
+    data = folder / "chats.jsonl"
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlora_cli", "data", str(config), "--show", "1"],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    row = next(line for line in lines if str(data) in line)
+    assert row.startswith("│ ") and row.split("│")[2].strip() == "9"
+    assert f"{data}: dropped 1 row with no turn of a trained role (their roles: user)" in lines
+    rule = next(line for line in lines if "example 0" in line)
+    assert len(rule) == 80 and rule.startswith("─")

@@ -7,6 +7,8 @@ import functools
 import io
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
 from qlora_cli.generate.source import load_source, stop_ids
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.settings import lora_config
+from qlora_cli.model.settings import lora_config, select_device
 from qlora_cli.rundir.checkpoint import save_checkpoint
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -327,6 +329,28 @@ def test_out_is_checked_before_loading_and_keeps_the_rows_of_finished_batches(
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [PROMPTS[0]]
 
 
+def test_a_refused_prompt_leaves_out_as_it_was(run, tmp_path, run_cli):
+    """The refusal comes before any row: no empty --out is left behind, and an earlier one stays whole."""
+    long_prompt = " ".join(f"w{i}" for i in range(600))
+    out = tmp_path / "out.jsonl"
+    args = ("generate", run, "--prompt", "hi", "--prompt", long_prompt, "--raw", "--out", out)
+    line = error_line(run_cli(*args))
+    assert "more than the model's context" in line and re.search(
+        r"shorten it to at most [\d,]+ tokens$", line
+    )
+    assert list(tmp_path.iterdir()) == []
+    out.write_text("an earlier run's rows\n")
+    error_line(run_cli(*args))
+    assert list(tmp_path.iterdir()) == [out] and out.read_text() == "an earlier run's rows\n"
+
+
+def test_the_loaded_line_prints_a_bracketed_path_as_it_is(run, tmp_path, run_cli):
+    copy = tmp_path / "[v2]" / "out"
+    shutil.copytree(run, copy)
+    code, _, err = run_cli("generate", copy, "--prompt", "hi", "--max-new-tokens", 1)
+    assert code == 0 and f" + adapter of {copy / 'checkpoint-1'} in " in err, err
+
+
 def test_rows_record_the_system_message_and_the_summary_counts_right(run, tmp_path, run_cli):
     out = tmp_path / "out.jsonl"
     code, _, err = run_cli(
@@ -441,6 +465,17 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
         assert message in error_line(run_cli("generate", run, *args))
 
 
+@pytest.mark.parametrize(
+    "devices, names", [(1, "1 CUDA device (cuda:0)"), (2, "2 CUDA devices (cuda:0 to cuda:1)")]
+)
+def test_a_cuda_index_past_the_machines_devices_names_those_it_has(monkeypatch, devices, names):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    with pytest.raises(QLoraError) as refused:
+        select_device(f"cuda:{devices}", "--device")
+    assert str(refused.value) == f"--device is 'cuda:{devices}' but this machine has {names}"
+
+
 def test_bad_devices(run, run_cli):
     cases = [("gpu", "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"), ("cuda:x", "got 'cuda:x'")]
     if not torch.cuda.is_available():
@@ -449,7 +484,7 @@ def test_bad_devices(run, run_cli):
             ("cuda:0", "--device is 'cuda:0' but no CUDA"),
         ]
     else:
-        cases.append((f"cuda:{torch.cuda.device_count()}", "CUDA device(s), cuda:0 to"))
+        cases.append((f"cuda:{torch.cuda.device_count()}", "but this machine has "))
     for command in (["generate", run, "--prompt", "hi"], ["chat", run]):
         for device, message in cases:
             assert message in error_line(run_cli(*command, "--device", device))
@@ -502,7 +537,7 @@ def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch
         run_cli, monkeypatch, run, [long_message] * 5 + ["/exit", "never read"], "--max-new-tokens", "8"
     )
     assert err.count("> ") == 6
-    assert "dropped the 1 oldest turn(s) to stay within sequence_len 512" in err
+    assert "dropped the oldest turn to stay within sequence_len 512" in err
     too_long, err = chat_session(run_cli, monkeypatch, run, [" ".join(["w1"] * 600)], "--max-new-tokens", "8")
     assert too_long == "" and "does not fit in sequence_len 512" in err
 

@@ -8,11 +8,12 @@ from checkpoints import write_run
 from rich.console import Console
 
 from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import WriteFailed
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import active_profiler, region, timed
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.profiler.calibration import Calibration
-from qlora_cli.profiler.command import profile
+from qlora_cli.profiler.command import profile, write_trace
 from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
 from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED, build_report, render_table
 from qlora_kernels.rope import apply_rope
@@ -174,6 +175,7 @@ def test_cli_profile_and_train_profile(tmp_path, run_cli):
     code, out, err = run_cli("profile", config, "--steps", 1, "--warmup", 0, "--json", tmp_path / "p.json")
     assert code == 0, err
     assert Op.QKV_GEMM in out and UNATTRIBUTED in out and "TFLOP/s" in out
+    assert "(1 step after 0 warm-up)" in out and ": 0 warm-up steps + 1 timed step" in err
     _check_adds_up({r["name"]: r for r in json.loads((tmp_path / "p.json").read_text())["rows"]})
     assert not (tmp_path / "run" / "out").exists()
 
@@ -196,6 +198,30 @@ def test_cli_profile_bad_options(tmp_path, run_cli, args, message):
     code, _, err = run_cli("profile", config, *args)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+@pytest.mark.parametrize("option", ["--json", "--trace"])
+def test_cli_profile_checks_its_files_before_the_run(tmp_path, run_cli, option):
+    """A path under a file cannot be written: one line before anything is built (no "profiling" line)."""
+    config = write_run(tmp_path / "run")
+    (tmp_path / "file").write_text("keep")
+    target = tmp_path / "file" / "out.json"
+    code, _, err = run_cli("profile", config, "--steps", 1, "--warmup", 0, option, target)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and lines == [
+        f"error: cannot write {option} {target}: {tmp_path / 'file'}: is a file, not a folder"
+    ]
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_trace_the_profiler_did_not_write_is_an_error(tmp_path, monkeypatch):
+    """torch logs a failed export and returns; the trace's file is looked for, not taken on trust."""
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)
+    with pytest.raises(
+        WriteFailed, match=r"could not write --trace .*trace\.json: the profiler wrote no trace"
+    ):
+        write_trace(lambda: torch.ones(2) + 1, tmp_path / "trace.json", torch.device("cpu"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_forward_rows_close_when_a_recompute_stops_early(tmp_path):

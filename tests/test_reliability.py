@@ -31,7 +31,7 @@ from qlora_cli.rundir.checkpoint import (
     save_checkpoint,
 )
 from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owner_run, run_lock, space_needed
-from qlora_cli.rundir.names import RUN_FILE
+from qlora_cli.rundir.names import LOCK_FILE, RUN_FILE
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 
@@ -81,6 +81,22 @@ def test_training_into_another_runs_folder_refuses_and_names_the_choices(tmp_pat
     assert f"qlora resume {out}" in line and "new output_dir" in line
     assert "--overwrite" in line and "overwrite_output_dir" in line
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_training_into_an_exported_adapter_says_it_is_no_run(tmp_path, run_cli):
+    """`qlora export`'s folder holds an adapter but no run: nothing there to resume, so the line says not to."""
+    config = write_run(tmp_path / "run", max_steps=2)
+    assert run_cli("train", config)[0] == 0
+    exported = tmp_path / "adapter"
+    assert run_cli("export", tmp_path / "run" / "out", "--out", exported)[0] == 0
+    before = {p: p.read_bytes() for p in exported.rglob("*") if p.is_file()}
+    code, _, err = run_cli("train", config, "--set", f"output_dir={exported}")
+    assert len(err.strip().splitlines()) == 1 and error_line((code, "", err)) == (
+        f"error: output_dir {exported} holds an adapter but no run (no {RUN_FILE}, no checkpoints), as "
+        "`qlora export` writes one; choose another output_dir for the new run"
+    )
+    (exported / LOCK_FILE).unlink()  # the check runs under the run's lock, which stays behind
+    assert {p: p.read_bytes() for p in exported.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("how", ["option", "config key"])

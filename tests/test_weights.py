@@ -277,6 +277,8 @@ def test_qwen3_5_layer_types_win_over_the_interval_and_are_checked():
         spec_from_config({**QWEN3_5_27B_TEXT, "layer_types": types[:-1]})
     with pytest.raises(QLoraError, match="layer_types must list"):
         spec_from_config({**QWEN3_5_27B_TEXT, "layer_types": ["sliding_attention"] * 64})
+    with pytest.raises(QLoraError, match="layer_types must list 1 entry "):
+        spec_from_config({**QWEN3_5_27B_TEXT, "num_hidden_layers": 1, "layer_types": types[:2]})
 
 
 def test_qwen3_5_partial_rotary_factor_defaults_and_mrope_section_is_checked():
@@ -337,7 +339,8 @@ def test_qwen3_5_vl_layout_streams_the_text_decoder_as_a_causal_lm_names_it(qwen
     locations = locate_tensors(folder, spec)
     assert locations.skipped == {"vision-tower": 33, "MTP": 4}
     assert locations.note() == (
-        "skipped 33 vision-tower and 4 MTP tensors of the checkpoint (not trained; qlora trains the text decoder)"
+        "skipped 33 vision-tower tensors and 4 MTP tensors of the checkpoint (not trained; qlora trains the "
+        "text decoder)"
     )
 
 

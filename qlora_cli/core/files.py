@@ -62,10 +62,33 @@ def fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
+def temp_beside(target: Path) -> Path:
+    """The name a file is written under before it is renamed over `target`: same folder, hidden."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+
+
+def check_writable(target: Path) -> None:
+    """`target` can be written as a file (its folder made if need be), checked before the work whose
+    result it will hold; an existing `target` is left as it is. Raises OSError naming the file."""
+    target = Path(target)
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(target))
+    if target.parent.exists() and not target.parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "is a file, not a folder", str(target.parent))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    probe = temp_beside(target)
+    try:
+        probe.open("wb").close()
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(target)) from None
+    probe.unlink()
+
+
 def replace_file(target: Path, data: bytes) -> None:
     """`target` holds `data`, or (after a crash) what it held before; never a mix."""
     target = Path(target)
-    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temp = temp_beside(target)
     try:
         with open(temp, "wb") as f:
             f.write(data)
@@ -81,3 +104,10 @@ def replace_file(target: Path, data: bytes) -> None:
 def describe(err: OSError, fallback: Path) -> str:
     """'<file>: <reason>', the file the OS named or else the one being written."""
     return f"{err.filename or fallback}: {err.strerror or err}"
+
+
+def reason(err: OSError, target: Path) -> str:
+    """Why `target` could not be written: the OS's reason, naming the file it names when that is not
+    `target` itself (a parent folder)."""
+    named = err.filename is not None and Path(err.filename) != Path(target)
+    return describe(err, target) if named else (err.strerror or str(err))

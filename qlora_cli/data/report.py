@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -94,7 +95,7 @@ def data_report(config: TrainConfig) -> DataReport:
         if config.sequence_len > spec.max_position_embeddings:
             raise QLoraError(
                 f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-                f"of {spec.max_position_embeddings} (max_position_embeddings)"
+                f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
             )
     tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)
@@ -147,7 +148,7 @@ def print_data_report(report: DataReport, console: Console, show: int = 0) -> No
         table.add_column(column, justify="left" if column == "dataset" else "right", overflow="fold")
     for stats in report.datasets:
         table.add_row(
-            stats.path,
+            escape(stats.path),
             f"{stats.rows:,}",
             f"{stats.examples:,}",
             f"{stats.tokens:,}",
@@ -158,7 +159,7 @@ def print_data_report(report: DataReport, console: Console, show: int = 0) -> No
     console.print(table)
     for stats in report.datasets:
         if stats.dropped:
-            console.print(f"{stats.path}: dropped {stats.dropped_why}", highlight=False)
+            console.print(f"{stats.path}: dropped {stats.dropped_why}", highlight=False, markup=False)
     tokens = sum(len(e.input_ids) for e in report.train)
     trained = sum(_trained(e) for e in report.train)
     longest = max(len(e.input_ids) for e in report.train)

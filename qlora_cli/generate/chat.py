@@ -13,7 +13,9 @@ from typing import TextIO
 
 from rich.console import Console
 
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import number
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.prompts import with_system
 from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem
@@ -99,7 +101,7 @@ def chat(
 ) -> None:
     """Read messages from stdin, one a line, and stream each answer to stdout."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    console = console or Console(stderr=True)
+    console = console or OutputConsole(stderr=True)
     if problem := sampling_problem(sampling):
         raise QLoraError(problem)
     loaded = load_source(source, base_only=base_only, device=device)
@@ -107,7 +109,9 @@ def chat(
     conversation = Conversation(loaded, system)
     budget = loaded.sequence_len
     reserve = min(sampling.max_new_tokens, budget // 2)
-    console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+    console.print(
+        f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True, markup=False
+    )
     console.print(HELP, highlight=False)
     while True:
         console.print("[bold]>[/] ", end="")
@@ -127,16 +131,17 @@ def chat(
             console.print("(system message set)" if conversation.system else "(system message removed)")
             continue
         if command.startswith("/"):
-            console.print(f"(unknown command {command}; {HELP})", highlight=False)
+            console.print(f"(unknown command {command}; {HELP})", highlight=False, markup=False)
             continue
         if not text.strip():
             continue
         ids, dropped = conversation.fit(text, budget, reserve)
         if ids is None:
-            console.print(f"(that message does not fit in sequence_len {budget}; send a shorter one)")
+            console.print(f"(that message does not fit in sequence_len {number(budget)}; send a shorter one)")
             continue
         if dropped:
-            console.print(f"(dropped the {dropped} oldest turn(s) to stay within sequence_len {budget})")
+            turns = "the oldest turn" if dropped == 1 else f"the {number(dropped)} oldest turns"
+            console.print(f"(dropped {turns} to stay within sequence_len {number(budget)})")
         stream = TextStream(loaded.tokenizer, stdout)
         answer = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget - len(ids)))
         generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=stream)

@@ -10,8 +10,10 @@ from typing import TextIO
 
 from rich.console import Console
 
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, WriteFailed
-from qlora_cli.core.files import describe
+from qlora_cli.core.files import check_writable, reason, temp_beside
+from qlora_cli.core.wording import count, number
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.prompts import Prompt, check_fits, gather_prompts, render_prompt
 from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem
@@ -35,7 +37,7 @@ def generate(
 ) -> list[dict]:
     """Complete every prompt; returns the rows written to `out` (prompt, completion, token counts)."""
     stdout = stdout or sys.stdout
-    console = console or Console(stderr=True)
+    console = console or OutputConsole(stderr=True)
     if problem := sampling_problem(sampling):
         raise QLoraError(problem)
     if raw and system is not None:
@@ -46,7 +48,12 @@ def generate(
     with _RowWriter(out) as writer:
         loaded = load_source(source, base_only=base_only, device=device)
         ids = [_prompt_ids(loaded, prompt, raw, system, console) for prompt in given]
-        console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
+        console.print(
+            f"loaded {loaded.describe()} in {loaded.load_s:.1f}s",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
         engine = DecodingEngine(loaded.model)
         timing = Timing()
         rows = []
@@ -75,7 +82,7 @@ def generate(
     steps = timing.decode_steps / timing.decode_s if timing.decode_s else 0.0
     speed = timing.tokens / total if total else 0.0
     console.print(
-        f"{_count(len(rows), 'prompt')}, {_count(timing.tokens, 'token')} in {total:.2f}s "
+        f"{count(len(rows), 'prompt')}, {count(timing.tokens, 'token')} in {total:.2f}s "
         f"({speed:.1f} tokens/s): first token after {timing.prefill_s:.2f}s, "
         f"then {steps:.1f} decode steps/s",
         highlight=False,
@@ -93,33 +100,34 @@ def _prompt_ids(
     check_fits(prompt, ids, loaded.model.spec.max_position_embeddings)
     if len(ids) > loaded.sequence_len:
         console.print(
-            f"note: {prompt.where} is {len(ids)} tokens, longer than the rows the run trained on "
-            f"(sequence_len {loaded.sequence_len})",
+            f"note: {prompt.where} is {count(len(ids), 'token')}, longer than the rows the run trained on "
+            f"(sequence_len {number(loaded.sequence_len)})",
             highlight=False,
             soft_wrap=True,
+            markup=False,
         )
     return ids
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
-
-
 class _RowWriter:
-    """--out, opened before the model loads (a path that cannot be written fails at once, not after the
-    decoding) and given each row as its batch finishes, so a failure later keeps the rows done."""
+    """--out, checked before the model loads (a path that cannot be written fails at once, not after the
+    decoding). Rows go to a hidden file beside it as each batch finishes, renamed to --out when the
+    command ends: a refusal before the first row leaves --out as it was, never empty; a failure later
+    keeps the rows done."""
 
     def __init__(self, path: Path | None):
         self.path = None if path is None else Path(path)
+        self.temp = None if path is None else temp_beside(self.path)
         self.file = None
+        self.rows = 0
 
     def __enter__(self) -> _RowWriter:
         if self.path is not None:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.file = self.path.open("w", encoding="utf-8")
+                check_writable(self.path)
+                self.file = self.temp.open("w", encoding="utf-8")
             except OSError as err:
-                raise QLoraError(f"cannot write --out {self.path}: {self._reason(err)}") from None
+                raise QLoraError(f"cannot write --out {self.path}: {reason(err, self.path)}") from None
         return self
 
     def write(self, row: dict) -> None:
@@ -129,13 +137,18 @@ class _RowWriter:
             self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
             self.file.flush()
         except OSError as err:
-            raise WriteFailed(f"could not write --out {self.path}: {self._reason(err)}") from None
+            raise WriteFailed(f"could not write --out {self.path}: {reason(err, self.path)}") from None
+        self.rows += 1
 
-    def _reason(self, err: OSError) -> str:
-        """The OS's reason, naming the file it names when that is not --out itself (a parent folder)."""
-        named = err.filename is not None and Path(err.filename) != self.path
-        return describe(err, self.path) if named else (err.strerror or str(err))
-
-    def __exit__(self, *exc) -> None:
-        if self.file is not None:
+    def __exit__(self, kind, error, tb) -> None:
+        if self.file is None:
+            return
+        try:
             self.file.close()
+            if error is None or self.rows:
+                self.temp.replace(self.path)
+        except OSError as err:
+            if error is None:
+                raise WriteFailed(f"could not write --out {self.path}: {reason(err, self.path)}") from None
+        finally:
+            self.temp.unlink(missing_ok=True)

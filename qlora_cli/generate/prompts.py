@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.jsonl import json_lines, json_type
+from qlora_cli.core.wording import count, number
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
 
@@ -110,6 +111,7 @@ def check_fits(prompt: Prompt, ids: list[int], context: int) -> None:
     """A prompt must leave the model at least one position to answer in."""
     if len(ids) >= context:
         raise QLoraError(
-            f"{prompt.where}: the prompt is {len(ids)} tokens, more than the model's context of {context} "
-            f"(max_position_embeddings) leaves room for; shorten it to at most {context - 1}"
+            f"{prompt.where}: the prompt is {count(len(ids), 'token')}, more than the model's context of "
+            f"{number(context)} (max_position_embeddings) leaves room for; shorten it to at most "
+            f"{count(context - 1, 'token')}"
         )

@@ -12,6 +12,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import count
 from qlora_cli.model.lora import LoRAConfig
 from qlora_kernels import TRITON_AVAILABLE, triton_setup_error
 
@@ -27,9 +28,10 @@ def select_device(name: str, option: str = "config key 'device'") -> torch.devic
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise QLoraError(f"{option} is {name!r} but no CUDA device is available")
     if index is not None and int(index[1]) >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
+        devices = torch.cuda.device_count()
+        names = "cuda:0" if devices == 1 else f"cuda:0 to cuda:{devices - 1}"
         raise QLoraError(
-            f"{option} is {name!r} but there are only {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            f"{option} is {name!r} but this machine has {count(devices, 'CUDA device')} ({names})"
         )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,10 @@ import torch
 from rich.console import Console
 
 from qlora_cli.config.schema import TrainConfig
-from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.console import OutputConsole
+from qlora_cli.core.errors import QLoraError, WriteFailed
+from qlora_cli.core.files import check_writable, reason, replace_file, temp_beside
+from qlora_cli.core.wording import count
 from qlora_cli.profiler.calibration import calibrate
 from qlora_cli.profiler.recorder import OpProfiler
 from qlora_cli.profiler.report import ProfileReport, profile_report
@@ -20,20 +24,22 @@ from qlora_cli.train.step import optimizer_step, train_step
 
 
 def _writable(path: Path | None, option: str) -> Path | None:
+    """The file an option names, checked before the run, so a path that cannot be written costs no run."""
     if path is None:
         return None
     path = Path(path)
-    if path.is_dir():
-        raise QLoraError(f"{option} {path} is a folder; give a file name")
+    try:
+        check_writable(path)
+    except OSError as err:
+        raise QLoraError(f"cannot write {option} {path}: {reason(err, path)}") from None
     return path
 
 
 def _write(path: Path, text: str, option: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        replace_file(path, text.encode())
     except OSError as err:
-        raise QLoraError(f"cannot write {option} {path}: {err.strerror or err}") from err
+        raise WriteFailed(f"could not write {option} {path}: {reason(err, path)}") from None
 
 
 def write_trace(step: Callable[[], object], path: Path, device: torch.device) -> None:
@@ -45,11 +51,16 @@ def write_trace(step: Callable[[], object], path: Path, device: torch.device) ->
     labels = OpProfiler(annotate=True)
     with torch.profiler.profile(activities=activities) as trace, labels.step(device):
         step()
+    temp = temp_beside(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        trace.export_chrome_trace(str(path))
+        trace.export_chrome_trace(str(temp))
+        if not temp.is_file():  # torch logs a failed write and returns as if it had written
+            raise OSError(errno.EIO, "the profiler wrote no trace", str(path))
+        temp.replace(path)
     except OSError as err:
-        raise QLoraError(f"cannot write --trace {path}: {err.strerror or err}") from err
+        raise WriteFailed(f"could not write --trace {path}: {reason(err, path)}") from None
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def profile(
@@ -69,13 +80,13 @@ def profile(
         raise QLoraError(f"--warmup must be 0 or more, got {warmup}")
     json_path = _writable(json_path, "--json")
     trace_path = _writable(trace_path, "--trace")
-    console = console or Console(stderr=True)
+    console = console or OutputConsole(stderr=True)
     run = build_run(config, eager=True)
     torch.manual_seed(config.seed)
     dtype = run.model.embed_tokens.dtype
     console.print(
-        f"profiling {run.model.spec.model_type} · {run.model.spec.num_layers} layers on {run.device}: "
-        f"{warmup} warm-up + {steps} timed steps"
+        f"profiling {run.model.spec.model_type} · {count(run.model.spec.num_layers, 'layer')} on {run.device}: "
+        f"{count(warmup, 'warm-up step')} + {count(steps, 'timed step')}"
     )
     calibration = calibrate(run.device, dtype, fp8=config.fp8)
     profiler = OpProfiler(warmup_steps=warmup)

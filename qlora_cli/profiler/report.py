@@ -9,6 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.ops import (
     FROZEN_GEMM_ROWS,
@@ -19,6 +20,7 @@ from qlora_cli.core.ops import (
     OUTSIDE_LAYERS,
     Op,
 )
+from qlora_cli.core.wording import count, number
 from qlora_cli.profiler.calibration import Calibration, calibrate
 from qlora_cli.profiler.lora import lora_share
 from qlora_cli.profiler.recorder import OpProfiler, RowStat, StepRecord
@@ -225,7 +227,7 @@ def render_table(report: ProfileReport) -> Table:
     tokens_per_s = report.tokens_per_step / (report.step_ms * 1e-3) if report.step_ms else 0.0
     table = Table(
         title=(
-            f"step {report.step_ms:,.2f} ms on {cal.device} ({report.steps} steps after {report.warmup} warm-up) · "
+            f"step {report.step_ms:,.2f} ms on {cal.device} ({count(report.steps, 'step')} after {number(report.warmup)} warm-up) · "
             f"{report.tokens_per_step:,.0f} tokens/step · {tokens_per_s:,.0f} tokens/s\n"
             f"roofline measured now: {cal.matmul_tflops:,.2f} TFLOP/s ({cal.dtype} matmul {cal.matmul_size}³) · "
             f"{cal.copy_gbps:,.1f} GB/s (copy of {cal.copy_mib} MiB)"
@@ -261,8 +263,6 @@ def render_table(report: ProfileReport) -> Table:
 
 
 def print_report(report: ProfileReport, console: Console | None = None) -> None:
-    """The table on stdout, wide enough for every column when stdout is not a terminal."""
-    console = console or Console()
-    if not console.is_terminal:
-        console = Console(file=console.file, width=max(console.width, 140))
+    """The table on stdout, at its natural width when stdout is not a terminal."""
+    console = console or OutputConsole()
     console.print(render_table(report))

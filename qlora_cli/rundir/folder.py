@@ -117,6 +117,11 @@ def foreign_checkpoints(output_dir: Path, run_id: str | None) -> list[Path]:
 def check_new_run(output_dir: Path, overwrite: bool) -> None:
     """A new run may start in output_dir: it holds no earlier run's files, or `overwrite` removes them."""
     found = earlier_run_files(output_dir)
+    if found and not overwrite and not _holds_a_run(output_dir, found):
+        raise QLoraError(
+            f"output_dir {output_dir} holds an adapter but no run (no {RUN_FILE}, no checkpoints), as "
+            "`qlora export` writes one; choose another output_dir for the new run"
+        )
     if found and not overwrite:
         names = ", ".join(entry.name for entry in found[:3]) + (", …" if len(found) > 3 else "")
         raise QLoraError(
@@ -124,6 +129,11 @@ def check_new_run(output_dir: Path, overwrite: bool) -> None:
             f"`qlora resume {output_dir}`, choose a new output_dir, or add --overwrite "
             "(overwrite_output_dir: true) to delete them first"
         )
+
+
+def _holds_a_run(output_dir: Path, found: list[Path]) -> bool:
+    """A run's folder has its run file or checkpoints; an adapter alone is an export (or a copy of one)."""
+    return (Path(output_dir) / RUN_FILE).is_file() or any(entry.name != ADAPTER_WEIGHTS for entry in found)
 
 
 def remove_run_files(output_dir: Path) -> None:

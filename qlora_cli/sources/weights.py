@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import LINEAR_ATTENTION_PROJECTIONS
+from qlora_cli.core.wording import count
 from qlora_cli.sources.rope import RopeScaling, rope_config, rope_frequencies
 
 # Each model_type qlora trains, with the families it covers (for the one-line refusal of the others).
@@ -223,7 +224,7 @@ def _layer_types(cfg: dict, num_layers: int, where: str) -> tuple[str, ...]:
         return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
     if not isinstance(types, list) or len(types) != num_layers or set(types) - set(LAYER_TYPES):
         raise QLoraError(
-            f"{where}: layer_types must list {num_layers} entries (num_hidden_layers) of "
+            f"{where}: layer_types must list {count(num_layers, 'entry', 'entries')} (num_hidden_layers) of "
             f"{' or '.join(LAYER_TYPES)}, got {types!r}"
         )
     return tuple(types)
@@ -398,8 +399,8 @@ class TensorLocations:
         """One line for the user when parts of the checkpoint are not trained, else None."""
         if not self.skipped:
             return None
-        parts = " and ".join(f"{count} {part}" for part, count in self.skipped.items())
-        return f"skipped {parts} tensors of the checkpoint (not trained; qlora trains the text decoder)"
+        parts = " and ".join(count(tensors, f"{part} tensor") for part, tensors in self.skipped.items())
+        return f"skipped {parts} of the checkpoint (not trained; qlora trains the text decoder)"
 
 
 def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from qlora_cli.config.loading import apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
@@ -196,7 +198,7 @@ def train(
     started = time.perf_counter()
     if resume_from is None:
         resume_from = configured_resume(config)
-    console = console or Console(stderr=True)
+    console = console or OutputConsole(stderr=True)
     output_dir = Path(config.output_dir)
     trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
     with (
@@ -207,10 +209,12 @@ def train(
         ) as ownership,
     ):
         if not dist.is_main:
-            console = signals.console = Console(quiet=True)
+            console = signals.console = OutputConsole(quiet=True)
         signals.resume_option = dist.resume_option
         for folder in ownership.set_aside:
-            console.print(f"[yellow]note:[/] a later continuation of this run is kept aside as {folder}")
+            console.print(
+                f"[yellow]note:[/] a later continuation of this run is kept aside as {escape(str(folder))}"
+            )
         result = _train(
             config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started,
             accept_changed_data,
@@ -312,7 +316,7 @@ def _restore(
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
     _check_data_files(run, state, resume_from, out, accept_changed_data)
-    out.print(f"resuming from {resume_from} at step {state['step']}")
+    out.print(escape(f"resuming from {resume_from} at step {state['step']}"))
     return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
 
 
@@ -334,12 +338,14 @@ def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, a
             f"{run.dist.resume_option}`"
         )
     for path in changed:
-        out.print(f"[yellow]note:[/] {path} changed since {checkpoint} (--accept-changed-data): {at}")
+        out.print(
+            f"[yellow]note:[/] {escape(f'{path} changed since {checkpoint} (--accept-changed-data): {at}')}"
+        )
 
 
 def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
     for note in run.notes + trackers.notes:
-        out.print(f"[yellow]note:[/] {note}")
+        out.print(f"[yellow]note:[/] {escape(note)}")
     n_trainable = sum(p.numel() for p in run.model.trainable_parameters())
     out.print(
         f"{run.model.spec.model_type} · {count(run.model.spec.num_layers, 'layer')} · "

@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 
@@ -97,7 +98,7 @@ class RunOutput:
     def __enter__(self) -> RunOutput:
         if self.log_path is not None:
             self.file = Path(self.log_path).open("a", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
-            self.file_console = Console(file=self.file, color_system=None, highlight=False, width=1000)
+            self.file_console = OutputConsole(file=self.file, color_system=None, highlight=False)
         return self
 
     def __exit__(self, kind, error, tb) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import number
 from qlora_cli.data.examples import BatchPlan, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
@@ -151,13 +152,13 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
     if config.sequence_len > spec.max_position_embeddings:
         raise QLoraError(
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-            f"of {spec.max_position_embeddings} (max_position_embeddings)"
+            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
         )
     # Within a window as long as the row, sliding-window attention is plain causal attention.
     if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
         raise QLoraError(
-            f"sliding_window {spec.sliding_window} < sequence_len {config.sequence_len}: qlora's attention "
-            f"has no sliding window; set sequence_len <= {spec.sliding_window}"
+            f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
+            f"qlora's attention has no sliding window; set sequence_len <= {number(spec.sliding_window)}"
         )
 
 
