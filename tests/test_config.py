@@ -60,6 +60,7 @@ def test_defaults_follow_the_qlora_paper():
         ({"datasets": [{"type": "alpaca"}]}, "missing the required key 'datasets[0].path'"),
         ({"fp16": True}, "config key 'fp16' is not supported"),
         ({"load_in_4bit": False}, "'qlora' needs load_in_4bit: true"),
+        ({"fp8": True, "adapter": "lora", "load_in_4bit": False}, "'fp8': it multiplies the NF4 base in FP8"),
         ({"gradient_checkpointing": "auto"}, "'auto' needs memory_budget_gb"),
     ],
 )

@@ -5,7 +5,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from checkpoints import write_qwen2
 
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.settings import fp8_problem
 from qlora_kernels.fp8 import (
     E4M3_MAX,
     fp8_scales,
@@ -244,3 +247,26 @@ def test_gpu_fp8_product_is_within_e4m3_rounding():
     bound = _rounding_bound(x.float(), dense, quantize_rows_reference(x)[1], scales.row)
     # The bf16 output adds its own rounding, 2^-9 of the value.
     assert ((y.float() - want).abs() <= bound + 2.0**-8 * want.abs()).all()
+
+
+def test_gpus_without_fp8_tensor_cores_are_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    problem = fp8_problem(torch.device("cuda"))
+    assert problem.endswith("cuda is NVIDIA A100-SXM4-80GB, compute capability 8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_problem(torch.device("cuda")) is None
+    monkeypatch.delattr(torch, "_scaled_mm")
+    assert "lacks" in fp8_problem(torch.device("cuda"))
+
+
+def test_a_model_whose_projections_fp8_cannot_take_is_named(tmp_path):
+    """The tiny Qwen2's MLP is 96 wide: its down projection's 96 inputs are not whole NF4 blocks."""
+    model = QLoRAModel.from_pretrained(write_qwen2(tmp_path / "tiny"), lora=LoRAConfig(r=4))
+    with pytest.raises(ValueError, match="layer 0 down: 96 inputs do not split into NF4 blocks of 64"):
+        model.use_fp8()
+    wide = QLoRAModel.from_pretrained(
+        write_qwen2(tmp_path / "wide", intermediate_size=128), lora=LoRAConfig(r=4)
+    )
+    wide.use_fp8()
+    assert all(group.fp8 is not None for layer in wide.layers for group in layer.projections.values())
