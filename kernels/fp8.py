@@ -14,9 +14,8 @@ the largest magnitude it covers to e4m3's largest finite value, 448.
 
 Rounding: values are multiplied by the reciprocal of their scale (the same fp32 products in the
 kernels and the references, so both give the same bytes), clamped to +-448 and rounded to the
-nearest e4m3. With
-three mantissa bits each operand then carries a relative error of at most 2^-4 in e4m3's normal
-range, from which the tests derive their tolerance.
+nearest e4m3. With three mantissa bits each operand then carries a relative error of at most 2^-4
+in e4m3's normal range, from which the tests derive their tolerance.
 
 There is no autograd Function here: the weights are frozen and kernels.linear's Functions call
 these products from their forward and backward.
@@ -59,8 +58,8 @@ class FP8Scales:
 def _scale_of(largest: torch.Tensor) -> torch.Tensor:
     """largest * (1 / 448), a product (the kernels form the same one; a division by a constant is
     not the same on every device), and at least 2^-120: the reciprocal the quantizers multiply by
-    stays finite for a row of zeros or of values near fp32's smallest (gradients of masked tokens),
-    which then round to e4m3's subnormal steps, off by at most 2^-130."""
+    stays finite for a row of zeros or of values near fp32's smallest normal one, which then round
+    to e4m3's subnormal steps, off by at most 2^-130."""
     return torch.clamp_min(largest * (1.0 / E4M3_MAX), SMALLEST_SCALE)
 
 
