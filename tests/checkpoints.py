@@ -402,3 +402,13 @@ def write_run(folder: Path, rows: int = 48, model_writer=None, **config) -> Path
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(settings, sort_keys=False))
     return path
+
+
+def draw_lora_b(model, seed: int = 1, std: float = 0.02) -> None:
+    """Every LoRA B drawn from N(0, std) instead of PEFT's zeros, so that gradients reach every A."""
+    generator = torch.Generator(device=model.norm.device).manual_seed(seed)
+    for layer in model.layers:
+        for group in layer.projections.values():
+            for b in group.lora_B.values():
+                with torch.no_grad():
+                    b.normal_(0, std, generator=generator)

@@ -4,6 +4,7 @@ same LoRA weights: the loss and every LoRA gradient agree."""
 
 import pytest
 import torch
+from checkpoints import draw_lora_b
 
 from benchmarks.bnb import load_nf4_model
 from benchmarks.random_checkpoint import write_config_checkpoint
@@ -33,12 +34,7 @@ def checkpoint(request, tmp_path_factory):
 
 def _ours(folder) -> QLoRAModel:
     model = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=16, alpha=32), device="cuda", seed=1)
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    for layer in model.layers:
-        for group in layer.projections.values():
-            for b in group.lora_B.values():
-                with torch.no_grad():
-                    b.normal_(0, 0.02, generator=generator)
+    draw_lora_b(model)
     return model.train()
 
 

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from checkpoints import draw_lora_b
 
 from benchmarks.random_checkpoint import random_tensors
 from benchmarks.shapes import model_config
@@ -26,12 +27,7 @@ def _model(shape: str, fp8: bool, **options) -> QLoRAModel:
     spec = spec_from_config(model_config(shape, SHAPES[shape]))
     lora = LoRAConfig(r=16, dropout=options.pop("dropout", 0.0))
     model = QLoRAModel.on_device(spec, lora, "cuda", seed=1, **options)
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    for layer in model.layers:
-        for group in layer.projections.values():
-            for b in group.lora_B.values():
-                with torch.no_grad():
-                    b.normal_(0, 0.02, generator=generator)
+    draw_lora_b(model)
     model.load_base(random_tensors(spec, device="cuda"), quantize=True, dtype=torch.bfloat16)
     if fp8:
         model.use_fp8()

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from checkpoints import QWEN25_7B
+from checkpoints import QWEN25_7B, draw_lora_b
 
 from qlora_cli.model import LoRAConfig, QLoRAModel
 
@@ -26,12 +26,7 @@ def _random_tensors(seed: int):
 
 def _model(dtype: torch.dtype) -> QLoRAModel:
     model = QLoRAModel.on_device(SPEC, LoRAConfig(r=16), "cuda", seed=1, attention_backend="triton")
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    for layer in model.layers:
-        for group in layer.projections.values():
-            for b in group.lora_B.values():
-                with torch.no_grad():
-                    b.normal_(0, 0.02, generator=generator)
+    draw_lora_b(model)
     model.load_base(_random_tensors(0), quantize=True, dtype=dtype)
     return model.train()
 
