@@ -405,6 +405,48 @@ def test_resume_export_and_generate_read_a_damaged_adapter_alike(tmp_path, run_c
             assert error_line(run_cli(*command)).startswith(f"error: {expected}"), command
 
 
+def _change_a_byte_inside(path: Path) -> None:
+    """Other bytes at the same size: a safetensors file that still loads."""
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_with_bytes_changed_inside_is_refused_naming_the_newest_intact_one(tmp_path, run_cli):
+    """Resuming a finished run must not copy a damaged checkpoint over the final adapter: its manifest's
+    SHA-256 finds the change, and resume, export and generate name the newest intact checkpoint."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    final = (out / "adapter_model.safetensors").read_bytes()
+    adapter = out / "checkpoint-4" / "adapter_model.safetensors"
+    _change_a_byte_inside(adapter)
+    assert load_file(adapter)
+    corrupt = f"error: {adapter} is corrupt: its SHA-256 is not the one its manifest recorded"
+    line = error_line(run_cli("resume", out))
+    assert line.startswith(corrupt) and f"qlora resume {out} --checkpoint {out / 'checkpoint-2'}" in line
+    assert (out / "adapter_model.safetensors").read_bytes() == final
+    assert f"qlora export {out / 'checkpoint-2'}" in error_line(run_cli("export", out, "--out", tmp_path / "x"))
+    for command in [
+        ("resume", out, "--checkpoint", out / "checkpoint-4"),
+        ("export", out / "checkpoint-4", "--out", tmp_path / "x"),
+        ("generate", out / "checkpoint-4", "--prompt", "hi"),
+    ]:
+        line = error_line(run_cli(*command))
+        assert line.startswith(corrupt), command
+        assert line.endswith(f"the newest intact checkpoint of this run is {out / 'checkpoint-2'}"), command
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
+    config, model, optimizer = _tiny_model(tmp_path)
+    folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, {"step": 2, "run_id": "old"}, config)
+    (folder / "manifest.json").unlink()
+    assert checkpoint_problem(folder) is None
+    assert checkpoint_module.load_checkpoint(folder, model, optimizer)["step"] == 2
+    assert read_checkpoint_config(folder).lora_r == config.lora_r
+
+
 # ----- signals: the first saves, the second asks for patience, the third aborts -----
 
 SLOW_SAVE = """
