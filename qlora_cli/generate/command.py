@@ -30,6 +30,7 @@ def generate(
     system: str | None = None,
     batch_size: int = 16,
     device: str = "auto",
+    base_model: str | None = None,
     stdout: TextIO | None = None,
     console: Console | None = None,
 ) -> list[dict]:
@@ -44,8 +45,10 @@ def generate(
         raise QLoraError(f"--batch-size must be at least 1, got {batch_size}")
     given = gather_prompts(list(prompts), prompt_file)
     with _RowWriter(out) as writer:
-        loaded = load_source(source, base_only=base_only, device=device)
+        loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)
         ids = [_prompt_ids(loaded, prompt, raw, system, console) for prompt in given]
+        for note in loaded.notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
         console.print(f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True)
         engine = DecodingEngine(loaded.model)
         timing = Timing()

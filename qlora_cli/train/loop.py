@@ -27,6 +27,7 @@ from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
 from qlora_cli.data.files import changed_files
 from qlora_cli.model.settings import compute_dtype, select_device
+from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
 from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
@@ -165,6 +166,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "trackers": trackers.state(),
         "run_id": run.run_id,
         "data_files": run.data_files,
+        BASE_WEIGHTS: run.base_weights,
     }
     folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
@@ -231,14 +233,21 @@ def configured_resume(config: TrainConfig) -> Path | None:
     return checkpoint
 
 
-def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
-    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights."""
-    for key in BREAKING_KEYS:
+def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> list[str]:
+    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights; its
+    local base may be found in another folder holding the same weights (qlora_cli/rundir/base.py).
+    Returns the notes to print."""
+    keys, notes = BREAKING_KEYS, []
+    if is_local_base(saved.base_model):
+        notes = check_base(checkpoint, saved.base_model, config.base_model)
+        keys = tuple(key for key in BREAKING_KEYS if key != "base_model")
+    for key in keys:
         if getattr(config, key) != getattr(saved, key):
             raise QLoraError(
                 f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
                 f"{getattr(config, key)!r}, which changes the trained weights"
             )
+    return notes
 
 
 def _train(
@@ -261,7 +270,7 @@ def _train(
     run.run_id = run_id
     config = run.config
     if resume_from is not None:
-        check_continues(read_checkpoint_config(resume_from), config, resume_from)
+        run.notes += check_continues(read_checkpoint_config(resume_from), config, resume_from)
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
@@ -452,15 +461,9 @@ def resume(
     raw = config_to_dict(saved)
     for text in overrides:
         apply_override(raw, *parse_override(text))
-    config = _same_folder_as_saved(config_from_dict(raw), saved)
-    check_continues(saved, config, checkpoint)
+    config = config_from_dict(raw)
+    check_continues(
+        saved, config, checkpoint
+    )  # refused before output_dir is claimed; _train prints the notes
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
     return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
-
-
-def _same_folder_as_saved(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
-    """An override naming the saved base model's folder another way (relative, through a link) is no change."""
-    given, kept = Path(config.base_model).expanduser(), Path(saved.base_model)
-    if given.exists() and kept.exists() and given.resolve() == kept.resolve():
-        return dataclasses.replace(config, base_model=saved.base_model)
-    return config
