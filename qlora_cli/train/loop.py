@@ -28,14 +28,20 @@ from qlora_cli.core.wording import count
 from qlora_cli.data.files import changed_files
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
-from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
+from qlora_cli.rundir.checkpoint import (
+    load_checkpoint,
+    read_checkpoint_config,
+    read_trainer_state,
+    save_checkpoint,
+)
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.train.run import Run, build_run
+from qlora_cli.train.schedule import learning_rate, schedule_change
 from qlora_cli.train.signals import StopSignals
-from qlora_cli.train.step import evaluate, learning_rate, optimizer_step, train_step
+from qlora_cli.train.step import evaluate, optimizer_step, train_step
 from qlora_cli.train.trackers import Trackers
 
 # Keys that fix the shape or meaning of the trained weights: a checkpoint cannot continue under others.
@@ -270,7 +276,10 @@ def _train(
     run.run_id = run_id
     config = run.config
     if resume_from is not None:
-        run.notes += check_continues(read_checkpoint_config(resume_from), config, resume_from)
+        saved = read_checkpoint_config(resume_from)
+        run.notes += check_continues(saved, config, resume_from)
+        change = schedule_change(saved, read_trainer_state(resume_from), config, run.total_steps)
+        run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)

@@ -30,6 +30,7 @@ from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
+from qlora_cli.train.schedule import warmup_note
 
 
 @dataclass(kw_only=True)
@@ -208,6 +209,8 @@ def _schedule(
     # An epoch's last step takes the micro-batches left, so no step spans two epochs.
     steps_per_epoch = train_plan.steps_per_epoch(config.gradient_accumulation_steps * world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    if (long_warmup := warmup_note(config, total_steps)) is not None:
+        notes.append(long_warmup)
     eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")
