@@ -53,18 +53,15 @@ def check_base(checkpoint: Path, trained_on: str, base_model: str) -> list[str]:
             f"so {folder} is used unchecked in place of {trained_on}"
         ]
     difference = weights_difference(recorded, weights_fingerprint(folder))
-    if difference is not None and moved:
+    if difference is None:
+        found = f"base model found at {folder}, with the weights checkpoint {checkpoint} trained on at {trained_on}"
+        return [found] if moved else []
+    if moved:
         raise QLoraError(
             f"{folder} is not the base model checkpoint {checkpoint} trained on ({trained_on}): {difference}"
         )
-    if difference is not None:
-        raise QLoraError(
-            f"the base model {folder} changed since checkpoint {checkpoint} was written: {difference}"
-        )
-    return (
-        [f"base model found at {folder}, with the weights checkpoint {checkpoint} trained on at {trained_on}"]
-        if moved
-        else []
+    raise QLoraError(
+        f"the base model {folder} changed since checkpoint {checkpoint} was written: {difference}"
     )
 
 
