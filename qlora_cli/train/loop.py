@@ -471,8 +471,7 @@ def resume(
     for text in overrides:
         apply_override(raw, *parse_override(text))
     config = config_from_dict(raw)
-    check_continues(
-        saved, config, checkpoint
-    )  # refused before output_dir is claimed; _train prints the notes
+    # Refused here, before output_dir is claimed; _train checks again and prints the notes.
+    check_continues(saved, config, checkpoint)
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
     return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
