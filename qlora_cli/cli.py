@@ -35,6 +35,15 @@ SetOption = Annotated[
         "--set", help="Override a config key, e.g. --set lora_r=8 (repeatable; dotted keys reach into lists)."
     ),
 ]
+BaseModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--base-model",
+        help="Where the local base model the run trained on is now, when it moved; its weights must be "
+        "the ones the checkpoint recorded.",
+        show_default=False,
+    ),
+]
 NprocOption = Annotated[
     int,
     typer.Option(
@@ -151,8 +160,10 @@ def resume(
             "at the checkpoint's place in the changed data."
         ),
     ] = False,
+    base_model: BaseModelOption = None,
 ) -> None:
     """Continue an interrupted run exactly where its last checkpoint left it."""
+    set_ = [*(set_ or ()), *([f"base_model={base_model}"] if base_model else [])]
     if nproc > 1:
         from qlora_cli.train.distributed import launch_resume
 
@@ -226,6 +237,7 @@ def export(
     force: Annotated[
         bool, typer.Option("--force", help="Replace --out if it exists and is not empty.")
     ] = False,
+    base_model: BaseModelOption = None,
 ) -> None:
     """Export a checkpoint as a PEFT adapter, with --merged as a full Hugging Face model, or with --gguf
     as one GGUF file."""
@@ -241,7 +253,10 @@ def export(
         gguf=gguf,
         gguf_type=gguf_type,
         force=force,
+        base_model=base_model,
     )
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if result.gguf_file:
         what = f"GGUF {result.gguf_file} ({result.base} base, {result.gguf_type}) with an Ollama Modelfile"
     elif result.merged:
@@ -310,6 +325,7 @@ def generate(
     ] = False,
     batch_size: Annotated[int, typer.Option(help="Prompts decoded together.")] = 16,
     device: DeviceOption = "auto",
+    base_model: BaseModelOption = None,
 ) -> None:
     """Complete prompts with a trained model: completions to stdout, progress and speed to stderr."""
     from qlora_cli.generate.command import generate as run_generate
@@ -327,6 +343,7 @@ def generate(
         system=system,
         batch_size=batch_size,
         device=device,
+        base_model=base_model,
         console=console,
     )
 
@@ -342,13 +359,22 @@ def chat(
     seed: SeedOption = 0,
     system: SystemOption = None,
     device: DeviceOption = "auto",
+    base_model: BaseModelOption = None,
 ) -> None:
     """Talk with a trained model, one message a line; answers stream to stdout. /reset, /system TEXT, /exit."""
     from qlora_cli.generate.chat import chat as run_chat
     from qlora_cli.generate.sampling import Sampling
 
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
-    run_chat(source, sampling=sampling, base_only=base_only, system=system, device=device, console=console)
+    run_chat(
+        source,
+        sampling=sampling,
+        base_only=base_only,
+        system=system,
+        device=device,
+        base_model=base_model,
+        console=console,
+    )
 
 
 @app.command()

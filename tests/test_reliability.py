@@ -1,6 +1,7 @@
 """Nothing lost: a run owns its output_dir, checks it before loading, survives full disks and damaged
 checkpoints with one clear line, and can be resumed or exported from any directory."""
 
+import dataclasses
 import json
 import os
 import resource
@@ -15,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from checkpoints import subprocess_env, write_run
+from checkpoints import add_demo_tokenizer, subprocess_env, write_qwen3, write_run
 from safetensors.torch import load_file
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.rundir import checkpoint as checkpoint_module
+from qlora_cli.rundir.base import checkpoint_base
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     list_checkpoints,
@@ -364,6 +366,73 @@ def test_a_run_resumes_and_exports_from_any_directory(tmp_path, monkeypatch):
     AutoPeftModelForCausalLM.from_pretrained(elsewhere / "adapter")
 
 
+def test_a_run_follows_its_base_model_to_a_new_folder_with_the_same_weights(tmp_path, run_cli):
+    """The base folder moved: resume, export and generate name --base-model, take the new folder when it
+    holds the recorded weights, and refuse another model of the same shape, naming what differs."""
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out, checkpoint = tmp_path / "run" / "out", tmp_path / "run" / "out" / "checkpoint-2"
+    moved = tmp_path / "moved" / "model"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "run" / "model", moved)
+    commands = [
+        ("resume", out, "--set", "max_steps=3"),
+        ("export", checkpoint, "--out", tmp_path / "adapter"),
+        ("generate", checkpoint, "--prompt", "hi", "--max-new-tokens", "2"),
+    ]
+    for command in commands:
+        line = error_line(run_cli(*command))
+        assert f"model folder {tmp_path / 'run' / 'model'} does not exist" in line, command
+        assert line.endswith("if it moved, give its new place with --base-model PATH"), command
+
+    other = add_demo_tokenizer(write_qwen3(tmp_path / "other", vocab_size=1024, seed=1))
+    for command in commands:
+        line = error_line(run_cli(*command, "--base-model", other))
+        assert line == (
+            f"error: {other} is not the base model checkpoint {checkpoint} trained on "
+            f"({tmp_path / 'run' / 'model'}): model.safetensors holds other values (the same tensors, other bytes)"
+        ), command
+
+    found = f"note: base model found at {moved}, with the weights checkpoint {checkpoint} trained on"
+    for command in commands:
+        code, _, err = run_cli(*command, "--base-model", moved)
+        assert code == 0 and found in " ".join(err.split()), (command, err)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(moved)
+    assert read_checkpoint_config(out / "checkpoint-3").base_model == str(moved)
+    assert run_cli("resume", out, "--set", "max_steps=4")[0] == 0
+
+    shutil.copy(other / "model.safetensors", moved / "model.safetensors")
+    line = error_line(run_cli("export", out, "--out", tmp_path / "again"))
+    assert line.startswith(f"error: the base model {moved} changed since checkpoint {out / 'checkpoint-4'}")
+
+
+def test_a_checkpoint_without_a_base_fingerprint_takes_the_new_folder_with_a_note(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    checkpoint = tmp_path / "run" / "out" / "checkpoint-2"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["base_weights"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    (checkpoint / "manifest.json").unlink()  # as checkpoints written before either
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "run" / "model", moved)
+    code, _, err = run_cli("export", checkpoint, "--out", tmp_path / "adapter", "--base-model", moved)
+    assert code == 0, err
+    assert (
+        f"note: checkpoint {checkpoint} records no fingerprint of its base (written before qlora kept one), "
+        f"so {moved} is used unchecked in place of {tmp_path / 'run' / 'model'}"
+    ) in " ".join(err.split())
+
+
+def test_a_hub_base_is_found_by_its_id_and_cannot_be_replaced(tmp_path):
+    config = load_config(write_run(tmp_path / "run"))
+    config = dataclasses.replace(config, base_model="org/model", revision="0" * 40)
+    with pytest.raises(QLoraError, match="trained on hub repo 'org/model'.*local base folder only"):
+        checkpoint_base(tmp_path, config, str(tmp_path / "run" / "model"))
+    assert checkpoint_base(tmp_path, config, None) == (config, [])
+
+
 def test_saved_files_follow_the_umask(tmp_path, run_cli):
     config = write_run(tmp_path / "run", max_steps=2)
     assert run_cli("train", config)[0] == 0
@@ -419,6 +488,50 @@ def test_resume_export_and_generate_read_a_damaged_adapter_alike(tmp_path, run_c
         damage()
         for command in commands:
             assert error_line(run_cli(*command)).startswith(f"error: {expected}"), command
+
+
+def _change_a_byte_inside(path: Path) -> None:
+    """Other bytes at the same size: a safetensors file that still loads."""
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_with_bytes_changed_inside_is_refused_naming_the_newest_intact_one(tmp_path, run_cli):
+    """Resuming a finished run must not copy a damaged checkpoint over the final adapter: its manifest's
+    SHA-256 finds the change, and resume, export and generate name the newest intact checkpoint."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    final = (out / "adapter_model.safetensors").read_bytes()
+    adapter = out / "checkpoint-4" / "adapter_model.safetensors"
+    _change_a_byte_inside(adapter)
+    assert load_file(adapter)
+    corrupt = f"error: {adapter} is corrupt: its SHA-256 is not the one its manifest recorded"
+    line = error_line(run_cli("resume", out))
+    assert line.startswith(corrupt) and f"qlora resume {out} --checkpoint {out / 'checkpoint-2'}" in line
+    assert (out / "adapter_model.safetensors").read_bytes() == final
+    assert f"qlora export {out / 'checkpoint-2'}" in error_line(
+        run_cli("export", out, "--out", tmp_path / "x")
+    )
+    for command in [
+        ("resume", out, "--checkpoint", out / "checkpoint-4"),
+        ("export", out / "checkpoint-4", "--out", tmp_path / "x"),
+        ("generate", out / "checkpoint-4", "--prompt", "hi"),
+    ]:
+        line = error_line(run_cli(*command))
+        assert line.startswith(corrupt), command
+        assert line.endswith(f"the newest intact checkpoint of this run is {out / 'checkpoint-2'}"), command
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
+    config, model, optimizer = _tiny_model(tmp_path)
+    folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, {"step": 2, "run_id": "old"}, config)
+    (folder / "manifest.json").unlink()
+    assert checkpoint_problem(folder) is None
+    assert checkpoint_module.load_checkpoint(folder, model, optimizer)["step"] == 2
+    assert read_checkpoint_config(folder).lora_r == config.lora_r
 
 
 # ----- signals: the first saves, the second asks for patience, the third aborts -----

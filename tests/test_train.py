@@ -1,5 +1,6 @@
 """Training runs on tiny checkpoints: falling loss, accumulation, exact resume, signals and faults."""
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,7 +23,8 @@ from qlora_cli.rundir.checkpoint import read_checkpoint_config
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
-from qlora_cli.train.step import learning_rate, optimizer_step, train_step
+from qlora_cli.train.schedule import learning_rate
+from qlora_cli.train.step import optimizer_step, train_step
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,6 +283,46 @@ def test_the_logged_lr_is_the_one_each_step_applied(tmp_path):
     assert state["lr"] == applied[-1]
 
 
+@pytest.mark.parametrize("warmup, noted", [(6, True), (4, True), (3, False)])
+def test_a_warmup_as_long_as_the_run_is_a_note(tmp_path, warmup, noted):
+    """As in Hugging Face, every step then warms up: the note says how high the rate gets, the last step's
+    lr * 4 / (warmup + 1)."""
+    config = load_config(write_run(tmp_path / "run", max_steps=4, warmup_steps=warmup, learning_rate=1e-3))
+    note = (
+        f"warmup_steps gives {warmup} warmup steps and the run has 4: every step warms up, and the learning "
+        f"rate rises only to {1e-3 * 4 / (warmup + 1):.3g} of learning_rate 0.001"
+    )
+    notes = build_run(config).notes
+    assert (note in notes) == noted
+    assert noted or not any("warmup" in n for n in notes)
+
+
+def test_resume_with_a_new_max_steps_or_learning_rate_says_how_the_schedule_changes(tmp_path, run_cli):
+    path = write_run(tmp_path / "run", max_steps=4, save_steps=2, lr_scheduler="cosine", learning_rate=1e-3)
+    assert run_cli("train", path)[0] == 0
+    out = tmp_path / "run" / "out"
+    code, _, err = run_cli("resume", out, "--checkpoint", out / "checkpoint-2")
+    assert code == 0 and "schedule" not in err, err
+    code, _, err = run_cli(
+        "resume",
+        out,
+        "--checkpoint",
+        out / "checkpoint-2",
+        "--set",
+        "max_steps=8",
+        "--set",
+        "learning_rate=2e-3",
+    )
+    saved = load_config(path)
+    now = dataclasses.replace(saved, max_steps=8, learning_rate=2e-3)
+    assert code == 0, err
+    assert (
+        "note: the learning-rate schedule changes: learning_rate 0.002 (was 0.001); the cosine decay now ends "
+        f"at step 8 (was 4); step 3 trains at {learning_rate(now, 2, 8):.3g} (the saved schedule: "
+        f"{learning_rate(saved, 2, 4):.3g})"
+    ) in " ".join(err.split())
+
+
 @pytest.mark.parametrize("packing, rows", [(False, 48), (True, 48), (False, 10)], ids=str)
 def test_resume_is_exact(tmp_path, packing, rows, one_thread):
     """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for
@@ -355,6 +397,7 @@ def test_resume_reads_an_older_checkpoint_that_holds_rng_state(tmp_path):
     assert "rng" not in state
     state["rng"] = [{"cpu": [0] * 8}]
     state_file.write_text(json.dumps(state))
+    (state_file.parent / "manifest.json").unlink()  # those checkpoints had no manifest either
     assert resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2").step == 4
 
 

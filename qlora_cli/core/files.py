@@ -8,6 +8,7 @@ comes back as an OSError that names the file, whichever library wrote it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -45,6 +46,15 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | 
 
 def write_json(path: Path, data) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of every byte of a file, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

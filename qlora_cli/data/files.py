@@ -8,7 +8,6 @@ hub does it, and `split: train[10:20%]` slices the chosen split's rows.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.files import sha256_file
 from qlora_cli.core.jsonl import Row, json_error, json_lines, json_type
 from qlora_cli.core.wording import count
 
@@ -325,15 +325,7 @@ def split_file_list(
 def fingerprint(file: Path) -> dict:
     """What a run records of a local data file it read, so that a resume can tell it changed: its size
     and a hash of all its bytes (a touched file that reads the same is no change)."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as stream:
-        while chunk := stream.read(1 << 20):
-            digest.update(chunk)
-    return {
-        "path": str(Path(file).resolve()),
-        "size": Path(file).stat().st_size,
-        "sha256": digest.hexdigest(),
-    }
+    return {"path": str(Path(file).resolve()), "size": Path(file).stat().st_size, "sha256": sha256_file(file)}
 
 
 def changed_files(recorded: list[dict], current: list[dict]) -> list[str]:

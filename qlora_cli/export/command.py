@@ -33,6 +33,7 @@ from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
+from qlora_cli.rundir.base import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE
@@ -78,6 +79,7 @@ class ExportResult:
     shards: int
     gguf_type: str | None = None
     gguf_file: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_size(text: str) -> int:
@@ -437,17 +439,19 @@ def export(
     gguf: bool = False,
     gguf_type: str | None = None,
     force: bool = False,
+    base_model: str | None = None,
 ) -> ExportResult:
     """Write the adapter of a checkpoint (or of an output_dir's newest checkpoint) to `out`.
 
     Without `merged`: a PEFT adapter folder. With it: the base model with the adapter merged in, onto the
     original weights (`base="original"`) or onto the NF4 round trip the adapter trained against
     (`base="nf4"`), in `dtype`, cut into shards of at most `max_shard_size`. With `gguf` instead: the
-    same merged weights as one GGUF file of `gguf_type`, with an Ollama Modelfile.
+    same merged weights as one GGUF file of `gguf_type`, with an Ollama Modelfile. `base_model`: where
+    the local base the checkpoint trained on is now, when it moved.
     """
     base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
     checkpoint = find_checkpoint(source)
-    config = read_checkpoint_config(checkpoint)
+    config, notes = checkpoint_base(checkpoint, read_checkpoint_config(checkpoint), base_model)
     state = read_trainer_state(checkpoint)
     if (merged or gguf) and base == "nf4" and not config.quantize:
         raise QLoraError(
@@ -501,4 +505,4 @@ def export(
         raise WriteFailed(f"could not write the export to {out}: {describe(err, temp)}") from None
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    return ExportResult(out, checkpoint, merged or gguf, base, dtype, shards, gguf_type, gguf_file)
+    return ExportResult(out, checkpoint, merged or gguf, base, dtype, shards, gguf_type, gguf_file, notes)

@@ -12,6 +12,7 @@ import sys
 from typing import TextIO
 
 from rich.console import Console
+from rich.markup import escape
 
 from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError
@@ -95,6 +96,7 @@ def chat(
     base_only: bool = False,
     system: str | None = None,
     device: str = "auto",
+    base_model: str | None = None,
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
     console: Console | None = None,
@@ -104,11 +106,13 @@ def chat(
     console = console or OutputConsole(stderr=True)
     if problem := sampling_problem(sampling):
         raise QLoraError(problem)
-    loaded = load_source(source, base_only=base_only, device=device)
+    loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)
     engine = DecodingEngine(loaded.model)
     conversation = Conversation(loaded, system)
     budget = loaded.sequence_len
     reserve = min(sampling.max_new_tokens, budget // 2)
+    for note in loaded.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     console.print(
         f"loaded {loaded.describe()} in {loaded.load_s:.1f}s", highlight=False, soft_wrap=True, markup=False
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
+from rich.markup import escape
 
 from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, WriteFailed
@@ -32,6 +33,7 @@ def generate(
     system: str | None = None,
     batch_size: int = 16,
     device: str = "auto",
+    base_model: str | None = None,
     stdout: TextIO | None = None,
     console: Console | None = None,
 ) -> list[dict]:
@@ -46,8 +48,10 @@ def generate(
         raise QLoraError(f"--batch-size must be at least 1, got {batch_size}")
     given = gather_prompts(list(prompts), prompt_file)
     with _RowWriter(out) as writer:
-        loaded = load_source(source, base_only=base_only, device=device)
+        loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)
         ids = [_prompt_ids(loaded, prompt, raw, system, console) for prompt in given]
+        for note in loaded.notes:
+            console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
         console.print(
             f"loaded {loaded.describe()} in {loaded.load_s:.1f}s",
             highlight=False,

@@ -4,6 +4,7 @@ as training did, and the stop tokens of a turn."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import compute_dtype, lora_config, select_device
 from qlora_cli.rundir.adapter import load_adapter_state
+from qlora_cli.rundir.base import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_WEIGHTS, STATE_FILE
@@ -40,6 +42,7 @@ class GenerationSource:
     template_variables: dict
     stop_ids: set[int]
     load_s: float
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def sequence_len(self) -> int:
@@ -50,8 +53,12 @@ class GenerationSource:
         return f"{self.config.base_model} + {adapter}"
 
 
-def find_source(source: Path, *, base_only: bool) -> tuple[TrainConfig, Path | None]:
-    """The config and checkpoint SOURCE names; the checkpoint is None only with base_only."""
+def find_source(
+    source: Path, *, base_only: bool, base_model: str | None = None
+) -> tuple[TrainConfig, Path | None, list[str]]:
+    """The config and checkpoint SOURCE names, and the notes to print; the checkpoint is None only with
+    base_only. `base_model`: where the checkpoint's local base is now, when it moved (without a
+    checkpoint, the base to run)."""
     source = Path(source)
     usage = "give a run's output_dir, a checkpoint-<step> folder or a config file"
     if not source.exists():
@@ -67,14 +74,18 @@ def find_source(source: Path, *, base_only: bool) -> tuple[TrainConfig, Path | N
                 f"{source}: its output_dir {output_dir} holds no checkpoint yet; train first "
                 f"(qlora train {source}) or add --base-only to run the base model alone"
             )
-        if checkpoint is not None:
-            config = read_checkpoint_config(checkpoint)
+        if checkpoint is None and base_model is not None:
+            return dataclasses.replace(config, base_model=base_model), None, []
+        if checkpoint is None:
+            return config, None, []
+        config = read_checkpoint_config(checkpoint)
     else:
         checkpoint = source if (source / STATE_FILE).is_file() else _checkpoint_of(source)
         if checkpoint is None:
             raise QLoraError(f"{source} holds no complete checkpoint and is not a checkpoint folder; {usage}")
         config = read_checkpoint_config(checkpoint)
-    return config, None if base_only else checkpoint
+    config, notes = checkpoint_base(checkpoint, config, base_model)
+    return config, None if base_only else checkpoint, notes
 
 
 def _checkpoint_of(output_dir: Path) -> Path | None:
@@ -113,11 +124,14 @@ def stop_ids(tokenizer: ChatTokenizer, variables: dict) -> set[int]:
     return {id_ for id_ in map(tokenizer.token_to_id, ends) if id_ is not None}
 
 
-def load_source(source: Path, *, base_only: bool = False, device: str = "auto") -> GenerationSource:
-    """Load SOURCE's base model (NF4 when the run quantized it) on `device`, with its adapter."""
+def load_source(
+    source: Path, *, base_only: bool = False, device: str = "auto", base_model: str | None = None
+) -> GenerationSource:
+    """Load SOURCE's base model (NF4 when the run quantized it; at `base_model` when it moved) on
+    `device`, with its adapter."""
     started = time.perf_counter()
     torch_device = select_device(device, "--device")
-    config, checkpoint = find_source(source, base_only=base_only)
+    config, checkpoint, notes = find_source(source, base_only=base_only, base_model=base_model)
     adapter = read_checkpoint_adapter(checkpoint) if checkpoint is not None else None
     try:
         folder = resolve_model(config.base_model, config.revision)
@@ -143,4 +157,5 @@ def load_source(source: Path, *, base_only: bool = False, device: str = "auto") 
         variables,
         stop_ids(tokenizer, variables),
         time.perf_counter() - started,
+        notes,
     )

@@ -4,8 +4,8 @@ A checkpoint is built in a hidden temporary folder, every file fsynced, then ren
 `checkpoint-<step>`; a folder that goes away (pruned, or replaced by a newer save of the same step) is
 first renamed to a hidden name and only then deleted. A crash at any moment therefore leaves every
 `checkpoint-<step>` folder complete. Each checkpoint records the run it belongs to, so pruning, resume
-and export never take another run's. Only safetensors, JSON and YAML are written and read back: never
-pickles.
+and export never take another run's, and a manifest of its files' hashes (manifest.py), which every read
+of its contents checks first. Only safetensors, JSON and YAML are written and read back: never pickles.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, fsync_dir, fsync_tree, save_tensors, write_json
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
+from qlora_cli.rundir.manifest import has_manifest, manifest_problem, write_manifest
 from qlora_cli.rundir.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -140,6 +141,7 @@ def save_checkpoint(
         write_json(temp / OPTIMIZER_SETTINGS, meta)
         save_config(config, temp / CONFIG_FILE)
         write_json(temp / STATE_FILE, trainer_state)
+        write_manifest(temp)
         fsync_tree(temp)
         if final.exists():
             discard(final)
@@ -157,7 +159,25 @@ def save_checkpoint(
     return final
 
 
+def verify(folder: Path) -> None:
+    """A checkpoint's files are as it wrote them; a damaged one is refused, naming the newest intact
+    checkpoint of its run. Checkpoints without a manifest (written before qlora wrote one) pass, to be
+    checked by parsing as they are read."""
+    folder = Path(folder)
+    if not has_manifest(folder) or (problem := manifest_problem(folder)) is None:
+        return
+    try:
+        others = run_checkpoints(folder.parent, checkpoint_run(folder))
+    except QLoraError:
+        others = list_checkpoints(folder.parent)
+    for _, other in reversed(others):
+        if other != folder and checkpoint_problem(other) is None:
+            raise QLoraError(f"{problem}; the newest intact checkpoint of this run is {other}")
+    raise QLoraError(f"{problem}; no intact checkpoint of this run is left in {folder.parent}")
+
+
 def read_checkpoint_config(folder: Path) -> TrainConfig:
+    verify(folder)
     try:
         return config_from_dict(read_yaml(Path(folder) / CONFIG_FILE))
     except QLoraError as err:
@@ -179,6 +199,7 @@ def read_trainer_state(folder: Path) -> dict:
 
 def read_checkpoint_adapter(folder: Path) -> dict[str, torch.Tensor]:
     """The adapter tensors a checkpoint saved, as they are on disk (load_adapter_state fits them to a model)."""
+    verify(folder)
     path = Path(folder) / ADAPTER_WEIGHTS
     try:
         return load_file(str(path))
@@ -189,6 +210,7 @@ def read_checkpoint_adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_files(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    verify(folder)
     state = read_trainer_state(folder)
     adapter = read_checkpoint_adapter(folder)
     try:
@@ -202,8 +224,11 @@ def _read_files(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, 
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (a missing or unreadable file), or None when it can."""
+    """Why a checkpoint cannot be resumed from (a file that is missing, unreadable or not as its manifest
+    recorded it), or None when it can."""
     folder = Path(folder)
+    if has_manifest(folder):
+        return manifest_problem(folder)
     try:
         _read_files(folder)
         read_checkpoint_config(folder)

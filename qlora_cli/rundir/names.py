@@ -11,12 +11,13 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
 
-# Inside checkpoint-<step>: the adapter, the optimizer's tensors and hyperparameters, the config and
-# the trainer state (step, run id, data position, metrics).
+# Inside checkpoint-<step>: the adapter, the optimizer's tensors and hyperparameters, the config, the
+# trainer state (step, run id, data position, metrics) and the manifest (size and SHA-256 of the others).
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_SETTINGS = "optimizer.json"
 CONFIG_FILE = "config.yaml"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")

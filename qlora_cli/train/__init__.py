@@ -3,12 +3,8 @@ progress and trackers. Imports everything below it (core, config, sources, data,
 
 from qlora_cli.train.loop import TrainResult, resume, train
 from qlora_cli.train.run import Run, build_run
-from qlora_cli.train.step import (
-    evaluate,
-    learning_rate,
-    optimizer_step,
-    train_step,
-)
+from qlora_cli.train.schedule import learning_rate
+from qlora_cli.train.step import evaluate, optimizer_step, train_step
 
 __all__ = [
     "Run",

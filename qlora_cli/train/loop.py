@@ -29,14 +29,21 @@ from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
 from qlora_cli.data.files import changed_files
 from qlora_cli.model.settings import compute_dtype, select_device
-from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
+from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
+from qlora_cli.rundir.checkpoint import (
+    load_checkpoint,
+    read_checkpoint_config,
+    read_trainer_state,
+    save_checkpoint,
+)
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
 from qlora_cli.train.run import Run, build_run
+from qlora_cli.train.schedule import learning_rate, schedule_change
 from qlora_cli.train.signals import StopSignals
-from qlora_cli.train.step import evaluate, learning_rate, optimizer_step, train_step
+from qlora_cli.train.step import evaluate, optimizer_step, train_step
 from qlora_cli.train.trackers import Trackers
 
 # Keys that fix the shape or meaning of the trained weights: a checkpoint cannot continue under others.
@@ -167,6 +174,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "trackers": trackers.state(),
         "run_id": run.run_id,
         "data_files": run.data_files,
+        BASE_WEIGHTS: run.base_weights,
     }
     folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
@@ -235,14 +243,21 @@ def configured_resume(config: TrainConfig) -> Path | None:
     return checkpoint
 
 
-def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
-    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights."""
-    for key in BREAKING_KEYS:
+def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> list[str]:
+    """A checkpoint continues only under the keys that fixed the shape and meaning of its weights; its
+    local base may be found in another folder holding the same weights (qlora_cli/rundir/base.py).
+    Returns the notes to print."""
+    keys, notes = BREAKING_KEYS, []
+    if is_local_base(saved.base_model):
+        notes = check_base(checkpoint, saved.base_model, config.base_model)
+        keys = tuple(key for key in BREAKING_KEYS if key != "base_model")
+    for key in keys:
         if getattr(config, key) != getattr(saved, key):
             raise QLoraError(
                 f"cannot resume {checkpoint}: '{key}' changed from {getattr(saved, key)!r} to "
                 f"{getattr(config, key)!r}, which changes the trained weights"
             )
+    return notes
 
 
 def _train(
@@ -265,7 +280,10 @@ def _train(
     run.run_id = run_id
     config = run.config
     if resume_from is not None:
-        check_continues(read_checkpoint_config(resume_from), config, resume_from)
+        saved = read_checkpoint_config(resume_from)
+        run.notes += check_continues(saved, config, resume_from)
+        change = schedule_change(saved, read_trainer_state(resume_from), config, run.total_steps)
+        run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
@@ -458,15 +476,8 @@ def resume(
     raw = config_to_dict(saved)
     for text in overrides:
         apply_override(raw, *parse_override(text))
-    config = _same_folder_as_saved(config_from_dict(raw), saved)
+    config = config_from_dict(raw)
+    # Refused here, before output_dir is claimed; _train checks again and prints the notes.
     check_continues(saved, config, checkpoint)
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
     return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
-
-
-def _same_folder_as_saved(config: TrainConfig, saved: TrainConfig) -> TrainConfig:
-    """An override naming the saved base model's folder another way (relative, through a link) is no change."""
-    given, kept = Path(config.base_model).expanduser(), Path(saved.base_model)
-    if given.exists() and kept.exists() and given.resolve() == kept.resolve():
-        return dataclasses.replace(config, base_model=saved.base_model)
-    return config

@@ -22,13 +22,16 @@ from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
 from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
+from qlora_cli.rundir.base import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
+from qlora_cli.sources.fingerprint import weights_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
+from qlora_cli.train.schedule import warmup_note
 
 
 @dataclass(kw_only=True)
@@ -50,6 +53,7 @@ class Run:
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
     data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
+    base_weights: dict | None = None  # the fingerprint of a local base's weights (rundir/base.py)
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
@@ -112,6 +116,7 @@ def build_run(
     notes = list(config.notes)
     if (skipped := locate_tensors(folder, spec).note()) is not None:
         notes.append(skipped)
+    base_weights = weights_fingerprint(folder) if is_local_base(config.base_model) else None
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
     data_start = time.perf_counter()
@@ -145,6 +150,7 @@ def build_run(
         save_every=save_every,
         startup_s={"data": data_s, "model": model_s},
         data_files=data_files,
+        base_weights=base_weights,
     )
 
 
@@ -206,6 +212,8 @@ def _schedule(
     # An epoch's last step takes the micro-batches left, so no step spans two epochs.
     steps_per_epoch = train_plan.steps_per_epoch(config.gradient_accumulation_steps * world_size)
     total_steps = config.max_steps or max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    if (long_warmup := warmup_note(config, total_steps)) is not None:
+        notes.append(long_warmup)
     eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")

@@ -15,34 +15,17 @@ from typing import NamedTuple
 
 import torch
 
-from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import region
 from qlora_cli.train.graphs import GraphedLoss, LossFn
 from qlora_cli.train.run import Run
+from qlora_cli.train.schedule import learning_rate
 
 
 class StepLoss(NamedTuple):
     loss_sum: float  # this rank's summed token loss
     trained_tokens: int  # trained tokens of all ranks
     input_tokens: int  # this rank's input tokens, padding included
-
-
-def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup, then the schedule."""
-    warmup = (
-        config.warmup_steps
-        if config.warmup_steps is not None
-        else math.ceil(config.warmup_ratio * total_steps)
-    )
-    if step < warmup:
-        return config.learning_rate * (step + 1) / (warmup + 1)
-    if config.lr_scheduler == "constant":
-        return config.learning_rate
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    if config.lr_scheduler == "linear":
-        return config.learning_rate * max(0.0, 1.0 - progress)
-    return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def dropout_seed(run_seed: int, micro_batch: int) -> int:
