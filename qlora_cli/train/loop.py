@@ -31,7 +31,7 @@ from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config,
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
-from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
+from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, logged_records, memory_gib
 from qlora_cli.train.run import Run, build_run
 from qlora_cli.train.signals import StopSignals
 from qlora_cli.train.step import evaluate, learning_rate, optimizer_step, train_step
@@ -265,7 +265,8 @@ def _train(
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
         if dist.is_main:
-            trackers.start(output_dir, start, tracker_state, warn=out.print)
+            logged = [] if resume_from is None else logged_records(output_dir / METRICS_FILE)
+            trackers.start(output_dir, start, tracker_state, warn=out.print, logged=logged)
         _announce(run, trackers, out)
         log = _metrics_log(run, None if resume_from is None else start)
         watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
