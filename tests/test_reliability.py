@@ -432,6 +432,20 @@ def signalling(tensors, path, *args, **kwargs):
 checkpoint.save_tensors = signalling
 """
 
+# Two more SIGINT once the run, stopped after that save, closes its trackers (as a W&B upload would take).
+SIGNALS_WHILE_CLOSING = (
+    SIGNAL_DURING_SAVE
+    + """
+from qlora_cli.train import trackers
+real_exit = trackers.Trackers.__exit__
+def closing(self, *exc):
+    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
+    return real_exit(self, *exc)
+trackers.Trackers.__exit__ = closing
+"""
+)
+
 # Three SIGINT reach the process while its main thread cannot run Python (as during a long tensor write
 # in C): another thread holds the interpreter and sends them, each once the last has been delivered, so
 # the kernel merges none of them; Python then runs its handler once for all three.
@@ -598,3 +612,17 @@ def test_three_ctrl_c_that_python_answers_in_one_call_still_abort(tmp_path):
         f"the last complete checkpoint is {out / 'checkpoint-2'}" in _last_line(err)
     )
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+
+
+def test_a_third_ctrl_c_while_the_stopped_run_closes_says_its_checkpoint_is_saved(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SIGNALS_WHILE_CLOSING)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT received again: the checkpoint of step 2 is saved; closing the run" in err
+    assert _last_line(err).startswith(
+        "interrupted: SIGINT received three times: aborted while closing the run, after saving the "
+        f"checkpoint of step 2; the last complete checkpoint is {out / 'checkpoint-2'}; "
+    )
+    assert checkpoint_problem(out / "checkpoint-2") is None

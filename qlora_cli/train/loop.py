@@ -296,7 +296,9 @@ def _train(
                     last_checkpoint = _save(run, done, metrics, trackers)
                     stop_signal = stop_signal or _agreed_signal(run, signals)
                 if stop_signal:
+                    signals.closing()
                     raise _interrupted(run, stop_signal, done, last_checkpoint)
+        signals.closing()
         if last_checkpoint is not None and dist.is_main:
             _write_final_adapter(run, last_checkpoint)
         total = time.perf_counter() - started

@@ -55,7 +55,7 @@ class StopSignals:
         self.received: int | None = None
         self.count = 0
         self.step: int | None = None  # the optimizer step in progress (1-based); None before training
-        self.saving = False  # the checkpoint of `step` is being written
+        self.phase = "step"  # "step": training `step`; "saving": its checkpoint; "closing": stopping after it
         self._calls = 0
         self._delivered = 0
         self._previous: dict[int, object] = {}
@@ -78,11 +78,15 @@ class StopSignals:
 
     def training(self, step: int) -> None:
         """Optimizer step `step` (1-based) is under way: a first signal now waits for it and its save."""
-        self.step, self.saving = step, False
+        self.step, self.phase = step, "step"
 
     def saving_checkpoint(self) -> None:
         """The checkpoint of the current step is being written: a first signal now stops the run after it."""
-        self.saving = True
+        self.phase = "saving"
+
+    def closing(self) -> None:
+        """The run stops after the checkpoint of the current step, which is saved; trackers and files close."""
+        self.phase = "closing"
 
     def _handle(self, signum: int, frame) -> None:
         """One call may stand for several signals: the wakeup pipe holds a byte for each delivered one
@@ -105,21 +109,21 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.step is None:
             raise RunAborted(f"{name} received before the first step; nothing was saved", signum)
-        doing = (
-            f"finishing the checkpoint of step {self.step}"
-            if self.saving
-            else f"finishing step {self.step} and saving a checkpoint"
-        )
+        doing, unsaved = {
+            "step": (f"finishing step {self.step} and saving a checkpoint", " without saving"),
+            "saving": (f"finishing the checkpoint of step {self.step}", " without saving"),
+            "closing": (f"the checkpoint of step {self.step} is saved; closing the run", ""),
+        }[self.phase]
         if self.count == 1:
             self.received = signum
             self.console.print(
-                f"[yellow]{name} received:[/] {doing}, then stopping (two more {name} abort without saving)",
+                f"[yellow]{name} received:[/] {doing}, then stopping (two more {name} abort{unsaved})",
                 highlight=False,
             )
         elif self.count == 2:
             self.console.print(
                 f"[yellow]{name} received again:[/] {doing}; please wait, this takes a moment "
-                f"(one more {name} aborts without it)",
+                f"(one more {name} aborts{unsaved})",
                 highlight=False,
             )
         elif self.count == 3:
@@ -136,7 +140,9 @@ class StopSignals:
                 f"the last complete checkpoint is {last}; continue with "
                 f"`qlora resume {self.output_dir}{self.resume_option}`"
             )
-        during = (
-            f"while saving the checkpoint of step {self.step}" if self.saving else f"during step {self.step}"
-        )
-        return f"{name} received three times: aborted {during} without saving it; {kept}"
+        during = {
+            "step": f"during step {self.step} without saving it",
+            "saving": f"while saving the checkpoint of step {self.step} without saving it",
+            "closing": f"while closing the run, after saving the checkpoint of step {self.step}",
+        }[self.phase]
+        return f"{name} received three times: aborted {during}; {kept}"
