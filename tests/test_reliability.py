@@ -447,17 +447,15 @@ trackers.Trackers.__exit__ = closing
 )
 
 # Three SIGINT reach the process while its main thread cannot run Python (as during a long tensor write
-# in C): another thread holds the interpreter and sends them, each once the last has been delivered, so
-# the kernel merges none of them; Python then runs its handler once for all three.
+# in C): another thread raises them at itself, so each is delivered at once and none is merged by the
+# kernel, while the main thread waits for that thread; Python then runs its handler once for all three.
 THREE_SIGNALS_IN_ONE_HANDLER_CALL = """
-import os, signal, sys, threading
+import signal, sys, threading
 from qlora_cli.rundir import checkpoint
 real = checkpoint.save_tensors
 def three_signals():
     for _ in range(3):
-        os.kill(os.getpid(), signal.SIGINT)
-        while signal.SIGINT in signal.sigpending():
-            pass
+        signal.raise_signal(signal.SIGINT)
 def signalling(tensors, path, *args, **kwargs):
     real(tensors, path, *args, **kwargs)
     if path.parent.name.startswith(".tmp-checkpoint-4-") and path.name == "adapter_model.safetensors":
