@@ -13,7 +13,7 @@ from rich.markup import escape
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
 from qlora_cli.core.console import OutputConsole
-from qlora_cli.core.errors import QLoraError, RunAborted
+from qlora_cli.core.errors import QLoraError, RunAborted, RunInterrupted
 from qlora_cli.core.wording import count
 from qlora_cli.train.signals import answer_signals, ignore_signals
 
@@ -431,7 +431,10 @@ def main() -> None:
         ignore_signals()
         if not other_rank or hasattr(err, "failed_rank"):
             console.quiet = False
-            console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+            style = "yellow" if isinstance(err, RunInterrupted) else "red"
+            console.print(
+                f"[bold {style}]{err.label}:[/] {escape(str(err))}", highlight=False, soft_wrap=True
+            )
         sys.exit(err.exit_code)
     except RunAborted as err:
         ignore_signals()

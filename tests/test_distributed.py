@@ -176,7 +176,7 @@ def test_a_signal_on_one_rank_stops_every_rank_and_resume_equals_the_uninterrupt
     stopped = _torchrun("train", write_run(tmp_path / "run", **settings), script=script, env_extra=fault)
     out = tmp_path / "run" / "out"
     assert stopped.returncode != 0
-    assert stopped.stderr.count("SIGTERM received: stopped after step 3") == 1
+    assert stopped.stderr.count("stopped: SIGTERM received, so the run ended after step 3;") == 1
     assert f"qlora resume {out} --nproc 2" in stopped.stderr
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-3"]
     assert [s for s, _ in _losses(out)] == [1, 2, 3]

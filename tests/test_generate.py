@@ -9,6 +9,7 @@ import json
 import math
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.command import export
 from qlora_cli.generate import command as generate_command
+from qlora_cli.generate.chat import TextStream
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
 from qlora_cli.generate.source import load_source, stop_ids
@@ -657,3 +659,82 @@ def test_a_config_source_generates_with_its_runs_newest_checkpoint(demo_run, tmp
     assert ours(run_cli, config, tmp_path / "a.jsonl") == ours(run_cli, demo_run, tmp_path / "b.jsonl")
     code, _, err = run_cli("generate", config, "--prompt", "Hi", "--max-new-tokens", "2")
     assert code == 0 and "checkpoint-2" in err, err
+
+
+def _interrupt_answer_after(monkeypatch, tokens: int, times: int = 1) -> list[str]:
+    """Ctrl-C (`times` signals) once the first answer has streamed `tokens` tokens; returns the text it had shown."""
+    shown: list[str] = []
+    real = TextStream.__call__
+
+    def interrupting(self, row, token):
+        real(self, row, token)
+        if len(self.ids) == tokens and not shown:
+            shown.append(self.tokenizer.decode(self.ids))
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(TextStream, "__call__", interrupting)
+    return shown
+
+
+def test_ctrl_c_stops_the_answer_which_stays_in_the_conversation(runs, tmp_path, run_cli, monkeypatch):
+    run = runs(ATTENTION_ONLY[0])
+    alone = ours_file(run_cli, run, tmp_path, [{"role": "user", "content": PROMPTS[1]}])
+    shown = _interrupt_answer_after(monkeypatch, 3)
+    stdout, err = chat_session(run_cli, monkeypatch, run, [PROMPTS[1], PROMPTS[0]], "--max-new-tokens", "12")
+    (partial,) = shown
+    assert alone.startswith(partial) and partial != alone
+    assert "(answer stopped; the part shown stays in the conversation)" in err
+    monkeypatch.undo()
+    history = [
+        {"role": "user", "content": PROMPTS[1]},
+        {"role": "assistant", "content": partial},
+        {"role": "user", "content": PROMPTS[0]},
+    ]
+    assert stdout == f"{partial}\n{ours_file(run_cli, run, tmp_path, history)}\n"
+
+
+def test_ctrl_c_before_the_first_token_drops_the_message(runs, tmp_path, run_cli, monkeypatch):
+    run = runs(ATTENTION_ONLY[0])
+    real, calls = DecodingEngine.prefill, []
+
+    def interrupted_prefill(self, cache, prompts):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return real(self, cache, prompts)
+
+    monkeypatch.setattr(DecodingEngine, "prefill", interrupted_prefill)
+    stdout, err = chat_session(run_cli, monkeypatch, run, [PROMPTS[1], PROMPTS[0]], "--max-new-tokens", "12")
+    assert "(answer stopped before it began; your message is dropped)" in err
+    monkeypatch.undo()
+    assert stdout == f"\n{ours_file(run_cli, run, tmp_path, [{'role': 'user', 'content': PROMPTS[0]}])}\n"
+
+
+class CtrlCAtSecondPrompt(io.StringIO):
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.prompts = 0
+
+    def readline(self, *args):
+        self.prompts += 1
+        if self.prompts == 2:
+            signal.raise_signal(signal.SIGINT)
+        return super().readline(*args)
+
+
+@pytest.mark.parametrize("at", ["prompt", "second Ctrl-C"])
+def test_ctrl_c_at_the_prompt_or_twice_in_an_answer_ends_the_session(runs, run_cli, monkeypatch, at):
+    run = runs(ATTENTION_ONLY[0])
+    lines = "".join(f"{prompt}\n" for prompt in PROMPTS[:2])
+    shown = []
+    if at == "prompt":
+        monkeypatch.setattr("sys.stdin", CtrlCAtSecondPrompt(lines))
+    else:
+        shown = _interrupt_answer_after(monkeypatch, 3, times=2)
+        monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code, stdout, err = run_cli("chat", run, "--device", "cpu", "--max-new-tokens", "12")
+    assert code == 128 + signal.SIGINT
+    assert err.rstrip().endswith("> interrupted: SIGINT received; stopped"), err
+    assert err.count("> ") == (2 if at == "prompt" else 1)
+    assert stdout.count("\n") == (1 if at == "prompt" else 0) and stdout.startswith(shown[0] if shown else "")

@@ -548,15 +548,63 @@ def slow(tensors, path, *args, **kwargs):
 checkpoint.save_tensors = slow
 """
 
-# Each step lasts half a second, so quick signals 30 ms apart all land inside one step however fast
-# the machine trains; without it a fast CPU finishes step and save before the second signal arrives.
+# The child signals itself from inside the save of checkpoint-2, after its adapter is written: the
+# handler runs there, while the save is under way, whatever the machine's speed.
+SIGNAL_DURING_SAVE = """
+import signal
+from qlora_cli.rundir import checkpoint
+real = checkpoint.save_tensors
+def signalling(tensors, path, *args, **kwargs):
+    real(tensors, path, *args, **kwargs)
+    if path.parent.name.startswith(".tmp-checkpoint-2-") and path.name == "adapter_model.safetensors":
+        signal.raise_signal(signal.SIGINT)
+checkpoint.save_tensors = signalling
+"""
+
+# Two more SIGINT once the run, stopped after that save, closes its trackers (as a W&B upload would take).
+SIGNALS_WHILE_CLOSING = (
+    SIGNAL_DURING_SAVE
+    + """
+from qlora_cli.train import trackers
+real_exit = trackers.Trackers.__exit__
+def closing(self, *exc):
+    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
+    return real_exit(self, *exc)
+trackers.Trackers.__exit__ = closing
+"""
+)
+
+# Three SIGINT reach the process while its main thread cannot run Python (as during a long tensor write
+# in C): another thread raises them at itself, so each is delivered at once and none is merged by the
+# kernel, while the main thread waits for that thread; Python then runs its handler once for all three.
+THREE_SIGNALS_IN_ONE_HANDLER_CALL = """
+import signal, sys, threading
+from qlora_cli.rundir import checkpoint
+real = checkpoint.save_tensors
+def three_signals():
+    for _ in range(3):
+        signal.raise_signal(signal.SIGINT)
+def signalling(tensors, path, *args, **kwargs):
+    real(tensors, path, *args, **kwargs)
+    if path.parent.name.startswith(".tmp-checkpoint-4-") and path.name == "adapter_model.safetensors":
+        sys.setswitchinterval(1000)
+        sender = threading.Thread(target=three_signals)
+        sender.start()
+        sender.join()
+checkpoint.save_tensors = signalling
+"""
+
+# Each step lasts half a second and marks its start (MARKER.step-N), so quick signals 30 ms apart sent
+# once a step has begun all land inside it however fast the machine trains.
 SLOW_STEP = """
-import time
+import os, time
 from qlora_cli.train import loop as train
 real = train.train_step
-def slow(*args, **kwargs):
+def slow(run, step, *args, **kwargs):
+    open(os.environ["QLORA_TEST_MARKER"] + f".step-{step + 1}", "w").close()
     time.sleep(0.5)
-    return real(*args, **kwargs)
+    return real(run, step, *args, **kwargs)
 train.train_step = slow
 """
 
@@ -621,12 +669,15 @@ def test_a_second_ctrl_c_asks_for_patience_and_the_checkpoint_is_saved(tmp_path)
     config = write_run(tmp_path / "run", max_steps=400, save_steps=1)
     out = tmp_path / "run" / "out"
     proc = _start_training(tmp_path, config, SLOW_STEP)
-    _wait_for(out / "checkpoint-1", proc)
+    _wait_for(tmp_path / "saving.step-2", proc)
     code, err = _signal(proc, 2)
     assert code == 128 + signal.SIGINT
     assert "finishing step" in err and "please wait" in err
     last = _last_line(err)
-    assert "SIGINT received: stopped after step" in last and f"qlora resume {out}" in last
+    assert (
+        last.startswith("stopped: SIGINT received, so the run ended after step")
+        and f"qlora resume {out}" in last
+    )
     assert checkpoint_problem(latest_checkpoint(out)) is None
 
 
@@ -634,7 +685,7 @@ def test_three_quick_ctrl_c_abort_and_name_the_last_checkpoint(tmp_path):
     config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
     out = tmp_path / "run" / "out"
     proc = _start_training(tmp_path, config, SLOW_STEP)
-    _wait_for(out / "checkpoint-2", proc)
+    _wait_for(tmp_path / "saving.step-3", proc)
     code, err = _signal(proc, 3)
     assert code == 128 + signal.SIGINT
     last = _last_line(err)
@@ -655,8 +706,50 @@ def test_a_third_ctrl_c_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert "received again" in err
     last = _last_line(err)
     assert (
-        f"aborted during step 4 without saving it; the last complete checkpoint is {out / 'checkpoint-2'}"
-        in last
+        "aborted while saving the checkpoint of step 4 without saving it; "
+        f"the last complete checkpoint is {out / 'checkpoint-2'}" in last
     )
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert checkpoint_problem(out / "checkpoint-2") is None
+
+
+def test_a_ctrl_c_during_a_save_stops_right_after_it(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SIGNAL_DURING_SAVE)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT received: finishing the checkpoint of step 2, then stopping" in err
+    assert _last_line(err).startswith(
+        f"stopped: SIGINT received, so the run ended after step 2; its checkpoint is {out / 'checkpoint-2'}; "
+    )
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert checkpoint_problem(out / "checkpoint-2") is None
+
+
+def test_three_ctrl_c_that_python_answers_in_one_call_still_abort(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, THREE_SIGNALS_IN_ONE_HANDLER_CALL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "received again" in err
+    assert (
+        "SIGINT received three times: aborted while saving the checkpoint of step 4 without saving it; "
+        f"the last complete checkpoint is {out / 'checkpoint-2'}" in _last_line(err)
+    )
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
+
+
+def test_a_third_ctrl_c_while_the_stopped_run_closes_says_its_checkpoint_is_saved(tmp_path):
+    config = write_run(tmp_path / "run", max_steps=400, save_steps=2)
+    out = tmp_path / "run" / "out"
+    proc = _start_training(tmp_path, config, SIGNALS_WHILE_CLOSING)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT received again: the checkpoint of step 2 is saved; closing the run" in err
+    assert _last_line(err).startswith(
+        "interrupted: SIGINT received three times: aborted while closing the run, after saving the "
+        f"checkpoint of step 2; the last complete checkpoint is {out / 'checkpoint-2'}; "
+    )
     assert checkpoint_problem(out / "checkpoint-2") is None

@@ -1,6 +1,7 @@
 """Experiment trackers, each read back from the files its own tool writes: W&B offline run files,
 TensorBoard event files, an MLflow file store. No network: W&B runs offline."""
 
+import io
 import struct
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from checkpoints import subprocess_env
+from rich.console import Console
 
 from qlora_cli.config.loading import config_from_dict
 from qlora_cli.core.errors import QLoraError, RunInterrupted
@@ -373,3 +375,122 @@ def test_a_run_and_its_resume_log_to_the_same_tracker_runs(tmp_path, offline_wan
     (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert run.info.run_id == state["mlflow_run_id"] and run.info.status == "FINISHED"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == losses
+
+
+@pytest.mark.usefixtures("reference_ops")
+def test_resume_from_an_earlier_checkpoint_logs_no_step_twice(tmp_path, offline_wandb, mlflow_store):
+    """Four steps, then `resume --checkpoint checkpoint-2`: the steps 3 and 4 logged first belong to a
+    continuation the resume replaces. metrics.jsonl and TensorBoard drop them; W&B and MLflow, which
+    cannot, keep them in the first runs, and the resumed run logs to new ones that start with a copy
+    of steps 1 and 2: each of its runs holds every step once, as metrics.jsonl does."""
+    import json
+
+    from checkpoints import write_run
+    from mlflow.tracking import MlflowClient
+
+    from qlora_cli.config.loading import load_config
+    from qlora_cli.train.loop import resume, train
+
+    trackers = dict(
+        wandb_project="qlora-tests",
+        wandb_mode="offline",
+        use_tensorboard=True,
+        mlflow_tracking_uri=mlflow_store,
+        mlflow_experiment_name="tiny",
+    )
+    path = write_run(tmp_path / "run", max_steps=4, save_steps=2, logging_steps=1, **trackers)
+    out = train(load_config(path)).output_dir
+    first = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["trackers"]
+    (first_wandb,) = (out / "wandb").glob("offline-run-*")
+    screen = io.StringIO()
+    resume(out, checkpoint=out / "checkpoint-2", console=Console(file=screen, width=400))
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["trackers"]
+    assert state["mlflow_run_id"] != first["mlflow_run_id"] and state["wandb_run_id"] != first["wandb_run_id"]
+    past = (
+        "steps 3–4 past step 2, logged by the continuation this resume replaces: this run logs to a new run"
+    )
+    notes = [line for line in screen.getvalue().splitlines() if "past step 2" in line]
+    assert notes == [
+        f"note: MLflow run {first['mlflow_run_id']} holds {past}, which starts with a copy of the steps up to 2",
+        f"note: W&B run {first['wandb_run_id']} holds {past}, which starts with a copy of the steps up to 2",
+    ]
+    losses = [
+        (r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert [step for step, _ in losses] == [1, 2, 3, 4]
+
+    (second_wandb,) = set((out / "wandb").glob("offline-run-*")) - {first_wandb}
+    for run_dir, run_id in ((first_wandb, first["wandb_run_id"]), (second_wandb, state["wandb_run_id"])):
+        run = wandb_run(run_dir)
+        assert run["id"] == run_id
+        assert [row["train/global_step"] for row in run["history"]] == [1, 2, 3, 4]
+    resumed = [(row["train/global_step"], row["train/loss"]) for row in wandb_run(second_wandb)["history"]]
+    assert resumed == losses
+
+    assert tensorboard_scalars(out / "runs")["train/loss"] == [
+        (s, pytest.approx(v, rel=1e-6)) for s, v in losses
+    ]
+
+    client = MlflowClient(tracking_uri=mlflow_store)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert {r.info.run_id for r in runs} == {first["mlflow_run_id"], state["mlflow_run_id"]}
+    for run_id in (first["mlflow_run_id"], state["mlflow_run_id"]):
+        assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 4]
+    assert [
+        (m.step, m.value) for m in client.get_metric_history(state["mlflow_run_id"], "train/loss")
+    ] == losses
+
+
+def test_a_tracker_that_cannot_start_leaves_no_other_trackers_files(tmp_path, offline_wandb):
+    """MLflow's store is unusable: no W&B run and no TensorBoard file is left behind."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    out = tmp_path / "out"
+    config = _config(
+        wandb_project="p", wandb_mode="offline", use_tensorboard=True, mlflow_tracking_uri="bogus://x"
+    )
+    trackers = Trackers(config)
+    with pytest.raises(QLoraError, match="^MLflow could not start a run at bogus://x: "):
+        trackers.start(out, 0, None)
+    assert trackers.trackers == []
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_tracker_that_cannot_start_takes_back_the_runs_of_those_before_it(
+    tmp_path, offline_wandb, mlflow_store, monkeypatch
+):
+    """W&B fails last: the MLflow run just made is deleted, a continued one gets its status back, and
+    TensorBoard's new event file goes (an earlier one stays)."""
+    pytest.importorskip("tensorboard")
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "out"
+    config = _config(
+        wandb_project="p", wandb_mode="offline", use_tensorboard=True, mlflow_tracking_uri=mlflow_store
+    )
+    client = MlflowClient(tracking_uri=mlflow_store)
+    with (
+        pytest.raises(RunInterrupted),
+        Trackers(_config(use_tensorboard=True, mlflow_tracking_uri=mlflow_store)).start(
+            out, 0, None
+        ) as trackers,
+    ):
+        trackers.log(RECORDS[0])
+        saved = trackers.state()
+        raise RunInterrupted("SIGINT received", 2)
+    earlier_events = set((out / "runs").iterdir())
+
+    def refuse(**options):
+        raise wandb.errors.CommError("the W&B server refused the run")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    for start_step, state in ((0, None), (1, saved)):
+        trackers = Trackers(config)
+        with pytest.raises(QLoraError, match="^W&B could not start a run: the W&B server refused the run$"):
+            trackers.start(out, start_step, state)
+        assert trackers.trackers == []
+        assert set((out / "runs").iterdir()) == earlier_events
+        runs = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+        assert [(r.info.run_id, r.info.status) for r in runs] == [(saved["mlflow_run_id"], "KILLED")]
+    assert not (out / "wandb").exists()

@@ -9,6 +9,7 @@ class QLoraError(Exception):
     """
 
     exit_code = 2
+    label = "error"  # how the CLI's line starts
 
 
 class TrainingStopped(QLoraError):
@@ -18,7 +19,11 @@ class TrainingStopped(QLoraError):
 
 
 class RunInterrupted(QLoraError):
-    """SIGINT or SIGTERM: the step finished and a checkpoint was written before exiting."""
+    """SIGINT or SIGTERM: the step finished and a checkpoint was written before exiting. The user asked
+    for it, so the line reads `stopped:`, not `error:`; the exit code is still 128 + signal, as for
+    any program that a signal ends."""
+
+    label = "stopped"
 
     def __init__(self, message: str, signal_number: int):
         super().__init__(message)

@@ -2,12 +2,15 @@
 
 Each turn renders the whole conversation with the run's chat template and generates from it; the
 conversation is kept within the run's sequence_len by dropping its oldest turns first, with a notice.
-Lines starting with / are commands: /reset, /system TEXT, /exit (Ctrl-D too).
+Lines starting with / are commands: /reset, /system TEXT, /exit (Ctrl-D too). Ctrl-C while an answer
+streams stops that answer and returns to the prompt; Ctrl-C at the prompt ends the session.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import signal
 import sys
 from typing import TextIO
 
@@ -23,7 +26,40 @@ from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
-HELP = "/reset starts over (keeping the system message), /system TEXT sets the system message, /exit (or Ctrl-D) ends"
+HELP = (
+    "/reset starts over (keeping the system message), /system TEXT sets the system message, "
+    "/exit (or Ctrl-D) ends; Ctrl-C stops an answer"
+)
+
+
+class AnswerStopped(Exception):
+    """Ctrl-C stopped the answer being streamed."""
+
+
+class StopAnswer:
+    """Ctrl-C while an answer streams: the first stops it before its next token, where the caches are
+    whole (never inside a prefill or a CUDA graph capture); a second before then ends the session, as
+    Ctrl-C at the prompt does."""
+
+    def __enter__(self) -> StopAnswer:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.requested:
+            self.requested = True
+        elif callable(self._previous):
+            self._previous(signum, frame)
+        else:
+            signal.default_int_handler(signum, frame)
+
+    def check(self) -> None:
+        if self.requested:
+            raise AnswerStopped
 
 
 class TextStream:
@@ -148,5 +184,28 @@ def chat(
             console.print(f"(dropped {turns} to stay within sequence_len {number(budget)})")
         stream = TextStream(loaded.tokenizer, stdout)
         answer = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget - len(ids)))
-        generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=stream)
+        try:
+            with StopAnswer() as stop:
+                on_token = functools.partial(_next, stop, stream)
+                generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=on_token)
+        except AnswerStopped:
+            _keep_stopped(conversation, stream.finish(), console)
+            continue
         conversation.turns.append({"role": "assistant", "content": stream.finish()})
+
+
+def _next(stop: StopAnswer, stream: TextStream, row: int, token: int) -> None:
+    stop.check()
+    stream(row, token)
+
+
+def _keep_stopped(conversation: Conversation, text: str, console: Console) -> None:
+    """A stopped answer stays in the conversation as far as it was shown, as chat apps keep one, so the
+    next message can say what to do instead; one stopped before its first token takes its message
+    with it."""
+    if text.strip():
+        conversation.turns.append({"role": "assistant", "content": text})
+        console.print("(answer stopped; the part shown stays in the conversation)")
+    else:
+        conversation.turns.pop()
+        console.print("(answer stopped before it began; your message is dropped)")

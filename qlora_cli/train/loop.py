@@ -39,7 +39,7 @@ from qlora_cli.rundir.checkpoint import (
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
-from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, memory_gib
+from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, logged_records, memory_gib
 from qlora_cli.train.run import Run, build_run
 from qlora_cli.train.schedule import learning_rate, schedule_change
 from qlora_cli.train.signals import StopSignals
@@ -82,7 +82,6 @@ class StepOutcome:
     trained_tokens: int
     input_tokens: int  # of all ranks, padding included
     grad_norm: float
-    stop_signal: int  # the signal any rank received (0: none): stop after this step
 
     @property
     def loss(self) -> float:
@@ -288,7 +287,8 @@ def _train(
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
         start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
         if dist.is_main:
-            trackers.start(output_dir, start, tracker_state, warn=out.print)
+            logged = [] if resume_from is None else logged_records(output_dir / METRICS_FILE)
+            trackers.start(output_dir, start, tracker_state, warn=out.print, logged=logged)
         _announce(run, trackers, out)
         log = _metrics_log(run, None if resume_from is None else start)
         watchdog = LossWatchdog(config.loss_watchdog_threshold, config.loss_watchdog_patience)
@@ -304,7 +304,7 @@ def _train(
             for step in range(start, run.total_steps):
                 signals.training(step + 1)
                 with observe_step(run.device) if observe_step else contextlib.nullcontext():
-                    outcome = _run_step(run, step, signals, watchdog, last_checkpoint)
+                    outcome = _run_step(run, step, watchdog, last_checkpoint)
                 done, loss = step + 1, outcome.loss
                 window.add(outcome)
                 record = window.close(done, outcome.grad_norm) if window.due(done) else None
@@ -312,10 +312,15 @@ def _train(
                 if record is not None:
                     _publish(record, log, metrics, progress, trackers)
                 progress.advance_to(done)
-                if outcome.stop_signal or _checkpoint_due(run, done):
+                stop_signal = _agreed_signal(run, signals)
+                if stop_signal or _checkpoint_due(run, done):
+                    signals.saving_checkpoint()
                     last_checkpoint = _save(run, done, metrics, trackers)
-                if outcome.stop_signal:
-                    raise _interrupted(run, outcome.stop_signal, done, last_checkpoint)
+                    stop_signal = stop_signal or _agreed_signal(run, signals)
+                if stop_signal:
+                    signals.closing()
+                    raise _interrupted(run, stop_signal, done, last_checkpoint)
+        signals.closing()
         if last_checkpoint is not None and dist.is_main:
             _write_final_adapter(run, last_checkpoint)
         total = time.perf_counter() - started
@@ -393,22 +398,24 @@ def _metrics_log(run: Run, resumed_at: int | None) -> MetricsLog | None:
     return MetricsLog(Path(run.config.output_dir) / METRICS_FILE, resumed_at)
 
 
-def _run_step(
-    run: Run, step: int, signals: StopSignals, watchdog: LossWatchdog, last_checkpoint: Path | None
-) -> StepOutcome:
-    """Forward, backward and update of optimizer step `step`; every rank learns of any rank's
-    signal here, so all stop after the same step. A non-finite loss, or one the watchdog finds too
-    high for too long, stops the run before the update."""
+def _agreed_signal(run: Run, signals: StopSignals) -> int:
+    """The signal any rank has received (0: none), asked after each step and after each save, so that
+    every rank stops after the same one and a signal during a save stops the run right after it."""
+    return int(run.dist.max(signals.received or 0))
+
+
+def _run_step(run: Run, step: int, watchdog: LossWatchdog, last_checkpoint: Path | None) -> StepOutcome:
+    """Forward, backward and update of optimizer step `step`. A non-finite loss, or one the watchdog
+    finds too high for too long, stops the run before the update."""
     loss_sum, trained, inputs = train_step(run, step)
     loss_sum, inputs = run.dist.sum(loss_sum, inputs)
-    stop_signal = int(run.dist.max(signals.received or 0))
     kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
     if not math.isfinite(loss_sum):
         raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
     if watchdog.too_high(loss_sum / max(1, trained)):
         raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
     grad_norm = optimizer_step(run, step)
-    return StepOutcome(loss_sum, trained, int(inputs), grad_norm, stop_signal)
+    return StepOutcome(loss_sum, trained, int(inputs), grad_norm)
 
 
 def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:
@@ -440,7 +447,7 @@ def _checkpoint_due(run: Run, done: int) -> bool:
 def _interrupted(run: Run, stop_signal: int, done: int, checkpoint: Path) -> RunInterrupted:
     name = signal.Signals(stop_signal).name
     return RunInterrupted(
-        f"{name} received: stopped after step {done}, checkpoint saved in {checkpoint}; "
+        f"{name} received, so the run ended after step {done}; its checkpoint is {checkpoint}; "
         f"continue with `qlora resume {Path(run.config.output_dir)}{run.dist.resume_option}`",
         stop_signal,
     )

@@ -25,7 +25,7 @@ class MetricsLog:
         self.path = Path(path)
         kept = []
         if resume_step is not None and self.path.exists():
-            kept = [record for record in _records(self.path) if record.get("step", 0) <= resume_step]
+            kept = [record for record in logged_records(self.path) if record.get("step", 0) <= resume_step]
         with self._writing():
             replace_file(self.path, "".join(json.dumps(record) + "\n" for record in kept).encode())
 
@@ -41,7 +41,10 @@ class MetricsLog:
             raise WriteFailed(f"could not write metrics: {describe(err, self.path)}") from None
 
 
-def _records(path: Path) -> list[dict]:
+def logged_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (none when there is none), skipping a half-written line."""
+    if not path.exists():
+        return []
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:

@@ -1,8 +1,12 @@
 """Experiment trackers (Weights & Biases, TensorBoard, MLflow) behind the one interface the loop calls.
 
 Each tool is an optional extra. A config that asks for one whose package is missing fails in one
-line before any weights load. Only the main process opens runs and logs. A resumed run continues
-the same tracker run where the tool allows it: the run ids travel in the checkpoint's trainer state.
+line before any weights load. Only the main process opens runs and logs. The tools start all or
+nothing: one that cannot start takes back the runs and files of those started before it. A resumed
+run continues the same tracker runs (their ids travel in the checkpoint's trainer state), unless
+the interrupted run logged steps past the checkpoint: those belong to a continuation the resume
+replaces, which TensorBoard hides and W&B and MLflow cannot take back, so each of those two gets a
+new run that starts with a copy of the steps up to the checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ def _require(module: str, extra: str, key: str) -> ModuleType:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
 
 
 def tracker_metrics(record: dict) -> dict[str, float]:
@@ -67,12 +75,13 @@ def flat_params(config: TrainConfig) -> dict[str, str]:
 
 
 class WandbTracker:
-    """A W&B run; metrics are charted against `train/global_step`, so a resumed run's repeated steps
-    are kept instead of being dropped as out of order."""
+    """A W&B run; metrics are charted against `train/global_step`, so that a run continued under a
+    fixed wandb_run_id can log steps again (as two points) instead of having them dropped as out of order."""
 
     name = "W&B"
 
-    def __init__(self, wandb: ModuleType, config: TrainConfig, output_dir: Path, saved: dict):
+    def __init__(self, wandb: ModuleType, config: TrainConfig, output_dir: Path, saved: dict, copied: list):
+        """`copied`: the records up to a resumed run's checkpoint, which a new W&B run starts with."""
         self.wandb = wandb
         self.log_model = "end" if config.wandb_log_model is True else config.wandb_log_model
         run_id = config.wandb_run_id or saved.get("wandb_run_id")
@@ -95,6 +104,8 @@ class WandbTracker:
         self.run.define_metric("train/global_step")
         self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
         self.last_saved: tuple[Path, int] | None = None
+        for record in copied if run_id is None else []:
+            self.log(record["step"], tracker_metrics(record))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({**metrics, "train/global_step": step})
@@ -113,6 +124,9 @@ class WandbTracker:
     def state(self) -> dict:
         return {"wandb_run_id": self.run.id}
 
+    def withdraw(self) -> None:
+        """W&B starts last, so no tracker's failure ever has to take back its run."""
+
     def finish(self, status: str) -> None:
         if status == "finished" and self.log_model == "end" and self.last_saved is not None:
             self._upload(*self.last_saved)
@@ -125,8 +139,12 @@ class TensorBoardTracker:
 
     name = "TensorBoard"
 
-    def __init__(self, tensorboard: ModuleType, config: TrainConfig, output_dir: Path, start_step: int):
+    def __init__(
+        self, tensorboard: ModuleType, config: TrainConfig, output_dir: Path, start_step: int, copied: list
+    ):
+        """`copied`: the records up to a resumed run's checkpoint, written when no earlier events exist."""
         self.log_dir = output_dir / "runs"
+        self.had = set(self.log_dir.iterdir()) if self.log_dir.is_dir() else None
         try:
             self.writer = tensorboard.SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step + 1)
         except OSError as err:
@@ -134,6 +152,8 @@ class TensorBoardTracker:
         if start_step == 0:
             text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
             self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
+        for record in copied if self.had is None else []:
+            self.log(record["step"], tracker_metrics(record))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -146,6 +166,14 @@ class TensorBoardTracker:
     def state(self) -> dict:
         return {}
 
+    def withdraw(self) -> None:
+        """Close the writer and remove the event file it began (and `runs` if it made it)."""
+        self.writer.close()
+        for path in set(self.log_dir.iterdir()) - (self.had or set()):
+            path.unlink()
+        if self.had is None:
+            self.log_dir.rmdir()
+
     def finish(self, status: str) -> None:
         self.writer.close()
 
@@ -156,7 +184,7 @@ class MlflowTracker:
     name = "MLflow"
     STATUS = {"finished": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
-    def __init__(self, config: TrainConfig, saved: dict, notes: list[str]):
+    def __init__(self, config: TrainConfig, saved: dict, notes: list[str], copied: list):
         from mlflow.entities import Metric, Param
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -167,9 +195,12 @@ class MlflowTracker:
         try:
             self.client = MlflowClient(tracking_uri=uri)
             self.run_id = saved.get("mlflow_run_id")
+            self.continued: str | None = None  # the continued run's status before this start
             if self.run_id is not None:
                 try:
+                    status = self.client.get_run(self.run_id).info.status
                     self.client.update_run(self.run_id, status="RUNNING")
+                    self.continued = status
                     return
                 except MlflowException:
                     notes.append(f"MLflow run {self.run_id} is not in this tracking store: a new run starts")
@@ -180,6 +211,14 @@ class MlflowTracker:
             params = [Param(key, value[:MAX_PARAM_VAL_LENGTH]) for key, value in flat_params(config).items()]
             for start in range(0, len(params), 100):
                 self.client.log_batch(self.run_id, params=params[start : start + 100])
+            now = int(time.time() * 1000)
+            metrics = [
+                Metric(name, value, now, record["step"])
+                for record in copied
+                for name, value in tracker_metrics(record).items()
+            ]
+            for start in range(0, len(metrics), 1000):
+                self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
         except MlflowException as err:
             where = f" at {uri}" if uri else ""
             raise QLoraError(f"MLflow could not start a run{where}: {_one_line(err)}") from None
@@ -194,6 +233,13 @@ class MlflowTracker:
 
     def state(self) -> dict:
         return {"mlflow_run_id": self.run_id}
+
+    def withdraw(self) -> None:
+        """Delete the run this start created, or give a continued one back its status."""
+        if self.continued is None:
+            self.client.delete_run(self.run_id)
+        else:
+            self.client.update_run(self.run_id, status=self.continued)
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=self.STATUS[status])
@@ -231,23 +277,65 @@ class Trackers:
             key = "mlflow_tracking_uri" if config.mlflow_tracking_uri else "mlflow_experiment_name"
             self.modules["mlflow"] = _require("mlflow", "mlflow", key)
 
-    def start(self, output_dir: Path, start_step: int, saved: dict | None, warn=print) -> Trackers:
-        """Open each run; `saved` is the tracker state of the checkpoint a resumed run starts from.
+    def start(
+        self,
+        output_dir: Path,
+        start_step: int,
+        saved: dict | None,
+        warn=print,
+        logged: list[dict] | None = None,
+    ) -> Trackers:
+        """Open each run; `saved` is the tracker state of the checkpoint a resumed run starts from, and
+        `logged` the records metrics.jsonl holds (a resumed run's records past `start_step` are a
+        superseded continuation).
 
-        `warn` shows a message to the person watching: a tracker that fails while the run trains
-        is dropped with a warning, since a tracking server's outage must not end a training run.
+        MLflow starts first and W&B last: a tracker that cannot start raises QLoraError after taking
+        back what those before it made, and an online W&B run, which nothing can take back, is made only
+        once the others stand. `warn` shows a message to the person watching: a tracker that fails while
+        the run trains is dropped with a warning, since a tracking server's outage must not end a run.
         """
         self.warn = warn
-        saved = saved or {}
-        if "wandb" in self.modules:
-            self.trackers.append(WandbTracker(self.modules["wandb"], self.config, output_dir, saved))
-        if "tensorboard" in self.modules:
-            self.trackers.append(
-                TensorBoardTracker(self.modules["tensorboard"], self.config, output_dir, start_step)
-            )
-        if "mlflow" in self.modules:
-            self.trackers.append(MlflowTracker(self.config, saved, self.notes))
+        saved = dict(saved or {})
+        logged = logged or []
+        superseded = [record["step"] for record in logged if record.get("step", 0) > start_step]
+        copied = [record for record in logged if record.get("step", 0) <= start_step]
+        if superseded:
+            self._start_new_runs(saved, superseded, start_step)
+        openers = {
+            "mlflow": lambda: MlflowTracker(self.config, saved, self.notes, copied),
+            "tensorboard": lambda: TensorBoardTracker(
+                self.modules["tensorboard"], self.config, output_dir, start_step, copied
+            ),
+            "wandb": lambda: WandbTracker(self.modules["wandb"], self.config, output_dir, saved, copied),
+        }
+        try:
+            for module, open_tracker in openers.items():
+                if module in self.modules:
+                    self.trackers.append(open_tracker())
+        except BaseException:
+            for tracker in reversed(self.trackers):
+                tracker.withdraw()
+            self.trackers = []
+            raise
         return self
+
+    def _start_new_runs(self, saved: dict, superseded: list[int], start_step: int) -> None:
+        """The checkpoint's W&B and MLflow runs hold `superseded` steps that this resume replaces."""
+        past = f"{_steps(superseded)} past step {start_step}, logged by the continuation this resume replaces"
+        copy = f"a new run, which starts with a copy of the steps up to {start_step}"
+        if "mlflow" in self.modules and "mlflow_run_id" in saved:
+            self.notes.append(
+                f"MLflow run {saved.pop('mlflow_run_id')} holds {past}: this run logs to {copy}"
+            )
+        if "wandb" in self.modules and "wandb_run_id" in saved:
+            if self.config.wandb_run_id:
+                self.notes.append(
+                    f"W&B run {self.config.wandb_run_id} (wandb_run_id) holds {past}: they show twice there"
+                )
+            else:
+                self.notes.append(
+                    f"W&B run {saved.pop('wandb_run_id')} holds {past}: this run logs to {copy}"
+                )
 
     def log(self, record: dict) -> None:
         metrics = tracker_metrics(record)
