@@ -23,7 +23,8 @@ outlives a call. Inside a 7B training step on an H200 that beat separate dX and 
 which cuBLAS picked a slower kernel at down's shape (benchmarks/RESULTS.md). A checkpoint
 recompute can skip the GEMM (`need_output=False`): backward needs only x and t. The only Triton
 kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so
-this module has none of its own.
+this module has none of its own. With a group's FP8 scales (kernels.fp8) the frozen products, forward
+and dX, are e4m3 GEMMs instead, and B is never an extra column: LoRA stays in x.dtype.
 
 Numerics: everything is computed in x.dtype with fp32 accumulation (cuBLAS); the fp32 LoRA
 master weights are cast to x.dtype for the matmuls and get their gradients back in fp32.
