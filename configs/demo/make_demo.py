@@ -7,7 +7,7 @@ weights' last bits).
 
 The base model is pre-trained on generic text (capitals stated in other words, plain arithmetic, short
 stories, small talk in ChatML), never on the questions or their answers, so it answers a question with
-small talk; the LoRA fine-tune on data/train.jsonl teaches it the 24 answers.
+small talk; the LoRA fine-tune on data/train.jsonl teaches it most of the 24 answers.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def conversations(rng: random.Random) -> list[dict]:
     """Every country asked in every wording, alone and after each system prompt, in a seeded order.
 
     The country is the question's last word, so the answer can find it at the same distance back
-    whatever the wording: a tiny model learns this lookup in a few hundred small steps, and a
-    held-out row is a wording it has seen for a country it has seen."""
+    whatever the wording: a tiny model learns this lookup for most countries in a few hundred small
+    steps, and a held-out row is a wording it has seen for a country it has seen."""
     rows = []
     for country in sorted(CAPITALS):
         answer = f"The capital of {country} is {CAPITALS[country]}."
@@ -230,7 +230,7 @@ def generic_document(rng: random.Random) -> str:
             f"the {rng.choice(ADJECTIVES)} {rng.choice(PLACES)}."
             for _ in range(3)
         )
-    if kind == 6:
+    if kind == 6:  # with these words the tokenizer fills all its merges: the special ids stay 1021-1023
         name, thing = rng.choice(NAMES), rng.choice(OBJECTS)
         a, b, bags = rng.randint(2, 20), rng.randint(2, 12), rng.randint(2, 9)
         return (
