@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "fault_child.py"
 SEED = 23
 KILLS = 10
-# The demo as shipped (60 steps, evaluation every 20), saving every 5 steps and logging every step.
+# The demo as shipped (400 steps, evaluation every 100), saving every 5 steps and logging every step.
 DEMO = ["train", "configs/demo.yaml", "--set=save_steps=5", "--set=logging_steps=1"]
 # A kill lands within a few steps of where the attempt resumed: at one of its first writes under
 # output_dir (startup, a few metrics lines, a save or two and their rotation) or within a few seconds.

@@ -43,7 +43,13 @@ def _run(tmp_path, name, *overrides, **config):
 def test_demo_loss_falls_and_files_are_written(tmp_path, monkeypatch):
     """The shipped demo, shortened: loss falls clearly, metrics, evals, checkpoints and the adapter land."""
     monkeypatch.chdir(ROOT)
-    overrides = [f"output_dir={tmp_path / 'demo'}", "max_steps=20", "save_steps=10", "eval_steps=10"]
+    overrides = [
+        f"output_dir={tmp_path / 'demo'}",
+        "max_steps=20",
+        "save_steps=10",
+        "eval_steps=10",
+        "logging_steps=5",
+    ]
     result = train(load_config(ROOT / "configs" / "demo.yaml", overrides))
     losses = [loss for _, loss in _losses(result.output_dir)]
     assert len(losses) == 4

@@ -1,12 +1,13 @@
-"""Write the offline demo: a synthetic chat dataset, a byte-level BPE tokenizer and a tiny pre-trained Qwen3.
+"""Write the offline demo: questions about 24 capitals, a byte-level BPE tokenizer and a tiny Qwen3.
 
 Run `python3 configs/demo/make_demo.py` to rebuild everything under configs/demo/. The output is a pure
-function of --seed (and of the library versions): the tasks come from fixed tables and templates, and the
-model trains for a fixed number of steps on one CPU thread.
+function of --seed and of the library versions: the rows come from fixed tables and templates, and the
+model trains for a fixed number of steps on one CPU thread (another CPU's float kernels may change the
+weights' last bits).
 
-The base model is pre-trained on generic text from the same domain (facts stated in other words, plain
-arithmetic, short stories, small talk in ChatML), never on the task answers themselves, so a LoRA fine-tune
-on data/train.jsonl shows a clearly falling loss.
+The base model is pre-trained on generic text (capitals stated in other words, plain arithmetic, short
+stories, small talk in ChatML), never on the questions or their answers, so it answers a question with
+small talk; the LoRA fine-tune on data/train.jsonl teaches it most of the 24 answers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 DEMO_DIR = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 1024
-NUM_TRAIN_ROWS = 600
 NUM_GENERIC_DOCUMENTS = 6000
 PRETRAIN_STEPS = 240
 PRETRAIN_BATCH = 8
@@ -145,76 +145,41 @@ SYSTEM_PROMPTS = [
 ]
 
 
-# ----- the fine-tuning tasks -----
+# ----- the fine-tuning set -----
+
+QUESTIONS = [
+    "What is the capital of {country}?",
+    "Which city is the capital of {country}?",
+    "What city is the capital of {country}?",
+    "Name the capital of {country}.",
+    "Tell me the capital of {country}.",
+    "Capital of {country}?",
+]
 
 
-def arithmetic_task(rng: random.Random) -> tuple[str, str]:
-    name, thing = rng.choice(NAMES), rng.choice(OBJECTS)
-    a, b = rng.randint(2, 20), rng.randint(2, 12)
-    kind = rng.choice(["add", "sub", "mul"])
-    if kind == "add":
-        question = f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?"
-        answer = f"{a} + {b} = {a + b}. {name} has {a + b} {thing}."
-    elif kind == "sub":
-        a += b
-        question = f"{name} has {a} {thing} and gives away {b}. How many {thing} are left?"
-        answer = f"{a} - {b} = {a - b}. {name} has {a - b} {thing} left."
-    else:
-        a = rng.randint(2, 9)
-        question = f"{name} has {a} bags with {b} {thing} in each. How many {thing} are there in total?"
-        answer = f"{a} x {b} = {a * b}. There are {a * b} {thing}."
-    return question, answer
+def conversations(rng: random.Random) -> list[dict]:
+    """Every country asked in every wording, alone and after each system prompt, in a seeded order.
 
-
-def reverse_task(rng: random.Random) -> tuple[str, str]:
-    words = rng.sample(WORDS, rng.randint(3, 5))
-    question = rng.choice(["Reverse this list: ", "Write these words in reverse order: "]) + ", ".join(words)
-    return question, ", ".join(reversed(words))
-
-
-def sort_task(rng: random.Random) -> tuple[str, str]:
-    words = rng.sample(WORDS, rng.randint(3, 5))
-    question = rng.choice(["Sort these words alphabetically: ", "Put these words in alphabetical order: "])
-    return question + ", ".join(words), ", ".join(sorted(words))
-
-
-def capital_task(rng: random.Random) -> tuple[str, str]:
-    country = rng.choice(sorted(CAPITALS))
-    question = rng.choice(
-        [
-            f"What is the capital of {country}?",
-            f"Which city is the capital of {country}?",
-            f"Capital of {country}?",
-        ]
-    )
-    return question, f"The capital of {country} is {CAPITALS[country]}."
-
-
-def unit_task(rng: random.Random) -> tuple[str, str]:
-    big, small, factor = rng.choice(UNITS)
-    amount = rng.randint(2, 12)
-    question = rng.choice([f"Convert {amount} {big} to {small}.", f"How many {small} are in {amount} {big}?"])
-    return question, f"{amount} {big} is {amount} x {factor} = {amount * factor} {small}."
-
-
-TASKS = [arithmetic_task, reverse_task, sort_task, capital_task, unit_task]
-
-
-def make_conversation(rng: random.Random) -> dict:
-    messages = []
-    if rng.random() < 0.3:
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-    for _ in range(2 if rng.random() < 0.1 else 1):
-        question, answer = rng.choice(TASKS)(rng)
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    return {"messages": messages}
+    The country is the question's last word, so the answer can find it at the same distance back
+    whatever the wording: a tiny model learns this lookup for most countries in a few hundred small
+    steps, and a held-out row is a wording it has seen for a country it has seen."""
+    rows = []
+    for country in sorted(CAPITALS):
+        answer = f"The capital of {country} is {CAPITALS[country]}."
+        for question in QUESTIONS:
+            for system in [None, *SYSTEM_PROMPTS]:
+                turns = [{"role": "user", "content": question.format(country=country)}]
+                turns.append({"role": "assistant", "content": answer})
+                rows.append({"messages": ([{"role": "system", "content": system}] if system else []) + turns})
+    rng.shuffle(rows)
+    return rows
 
 
 # ----- generic pre-training text from the same domain -----
 
 
 def generic_document(rng: random.Random) -> str:
-    kind = rng.randrange(7)
+    kind = rng.randrange(8)
     if kind == 0:
         countries = rng.sample(sorted(CAPITALS), 3)
         return " ".join(
@@ -264,6 +229,14 @@ def generic_document(rng: random.Random) -> str:
             f"{rng.choice(TIMES)}, the {rng.choice(ADJECTIVES)} {rng.choice(ANIMALS)} {rng.choice(VERBS)} "
             f"the {rng.choice(ADJECTIVES)} {rng.choice(PLACES)}."
             for _ in range(3)
+        )
+    if kind == 6:  # with these words the tokenizer fills all its merges: the special ids stay 1021-1023
+        name, thing = rng.choice(NAMES), rng.choice(OBJECTS)
+        a, b, bags = rng.randint(2, 20), rng.randint(2, 12), rng.randint(2, 9)
+        return (
+            f"{name} has {a} {thing} and gets {b} more, so {name} has {a + b} {thing} now. Then {name} gives "
+            f"away {b}, and {a} {thing} are left. In {bags} bags with {b} {thing} in each there are "
+            f"{bags * b} {thing} in total, and {name} writes every number down twice."
         )
     system = f"<|im_start|>system\n{rng.choice(SYSTEM_PROMPTS)}<|im_end|>\n" if rng.random() < 0.3 else ""
     greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Thanks for your help."])
@@ -407,16 +380,16 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
 
     rng = random.Random(f"{args.seed}:data")
-    conversations = [make_conversation(rng) for _ in range(NUM_TRAIN_ROWS)]
+    rows = conversations(rng)
     generic = [generic_document(rng) for _ in range(NUM_GENERIC_DOCUMENTS)]
 
     data_dir = args.out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "train.jsonl", "w", encoding="utf-8") as f:
-        for conversation in conversations:
+        for conversation in rows:
             f.write(json.dumps(conversation, ensure_ascii=False) + "\n")
 
-    tokenizer = train_tokenizer([render_chatml(c) for c in conversations] + generic)
+    tokenizer = train_tokenizer([render_chatml(c) for c in rows] + generic)
     model_dir = args.out / "tiny-qwen3"
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(model_dir / "tokenizer.json"))
@@ -428,9 +401,7 @@ def main() -> None:
         stream += tokenizer.encode(document).ids + [endoftext]
     model, losses = build_model(tokenizer, stream, args.seed)
     write_model(model, model_dir)
-    print(
-        f"{len(conversations)} conversations, {len(stream)} pre-training tokens, vocab {tokenizer.get_vocab_size()}"
-    )
+    print(f"{len(rows)} conversations, {len(stream)} pre-training tokens, vocab {tokenizer.get_vocab_size()}")
     print(f"pre-training loss {losses[0]:.3f} -> {sum(losses[-20:]) / 20:.3f} over {len(losses)} steps")
 
 
