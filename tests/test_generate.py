@@ -649,7 +649,10 @@ def test_decoding_on_the_triton_kernels_equals_the_reference(family_run, monkeyp
         if rows == 1
         else {"kernel": 0, "dequantize": 2 * weights}
     )
-    assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4
+    # fp32 both ways; the kernels sum in other orders (the delta rule's chunks and their triangular
+    # solve among them), so the bound is 1e-4 of the logits' scale, not of 1.
+    scale = logits["0"].abs().max().item()
+    assert (logits["1"] - logits["0"]).abs().max().item() < 1e-4 * scale
 
 
 def test_a_config_source_generates_with_its_runs_newest_checkpoint(demo_run, tmp_path, run_cli, monkeypatch):
