@@ -23,7 +23,7 @@ from qlora_cli.model.offload import HostOffloader, OffloadedLayer
 from qlora_cli.sources.hub import resolve_model
 from qlora_cli.sources.weights import ModelSpec, read_spec, stream_tensors
 from qlora_kernels.cross_entropy import linear_cross_entropy
-from qlora_kernels.fp8 import fp8_scales, fp8_shape_error
+from qlora_kernels.fp8 import fp8_scales
 from qlora_kernels.nf4 import quantize_nf4
 from qlora_kernels.rmsnorm import add_rms_norm
 
@@ -183,9 +183,10 @@ class QLoRAModel(nn.Module):
         weights' own, so this is computed once. A group FP8 GEMMs cannot take is named."""
         for index, layer in enumerate(self.layers):
             for name, group in layer.projections.items():
-                if error := fp8_shape_error(group.weights):
-                    raise ValueError(f"layer {index} {name}: {error}")
-                group.fp8 = fp8_scales(group.weights)
+                try:
+                    group.fp8 = fp8_scales(group.weights)
+                except ValueError as err:
+                    raise ValueError(f"layer {index} {name}: {err}") from None
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
