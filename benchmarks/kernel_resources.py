@@ -1,4 +1,4 @@
-"""Shared memory, registers and spills of every delta-rule, conv1d and FP8 Triton kernel, compiled for a
+"""Shared memory, registers and spills of every attention, delta-rule, conv1d and FP8 Triton kernel, compiled for a
 GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
 shared memory per block) and how many blocks share an SM.
 
@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
-from qlora_kernels import conv1d, delta_rule, fp8
+from qlora_kernels import attention, conv1d, delta_rule, fp8
 from qlora_kernels.nf4 import NF4Weight
 
 # Per block, by compute capability (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -41,6 +41,8 @@ SHAPES = {
     "tests": (2, 4, 24, 40),
 }
 BATCH, SEQ, CONV_WIDTH = 2, 2048, 4
+# Attention's head sizes in the shipped families, at Qwen3.5-9B's 16 query and 4 kv heads.
+ATTENTION_HEAD_DIMS, ATTENTION_HEADS = (64, 128, 256), (16, 4)
 
 _POINTER_TYPES = {
     torch.float32: "*fp32",
@@ -172,6 +174,24 @@ def conv1d_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[
     return launches
 
 
+def attention_launches(head_dim: int) -> list[Launch]:
+    """Forward and backward on packed rows, with the tiles the launcher picks on a GPU (meta tensors
+    are not CUDA ones, so its device test is answered for them)."""
+    q_heads, kv_heads = ATTENTION_HEADS
+    q = _meta(BATCH, SEQ, q_heads, head_dim, grad=True)
+    k, v = _meta(BATCH, SEQ, kv_heads, head_dim, grad=True), _meta(BATCH, SEQ, kv_heads, head_dim, grad=True)
+    docs = _meta(BATCH, SEQ, dtype=torch.int32)
+    on_gpu = attention._block_config
+    attention._block_config = lambda d_pad, dtype, is_cuda: on_gpu(d_pad, dtype, True)
+    try:
+        with recorded_launches() as launches:
+            out = attention.TritonAttention.apply(q, k, v, docs, head_dim**-0.5)
+            torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    finally:
+        attention._block_config = on_gpu
+    return launches
+
+
 def fp8_launches(rows: int = 18944, in_features: int = 3584, tokens: int = 8192) -> list[Launch]:
     """The activation quantizer and both NF4-to-e4m3 layouts, at Qwen2.5-7B's gate/up shape."""
     blocks = rows * in_features // 64
@@ -209,6 +229,7 @@ def main() -> None:
         )
         seen = set()
         launches = delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]) + fp8_launches()
+        launches += [launch for dim in ATTENTION_HEAD_DIMS for launch in attention_launches(dim)]
         for launch in launches:
             name = launch.kernel.__name__
             if args.kernels and not any(part in name for part in args.kernels):

@@ -1,7 +1,8 @@
 """Write a random-weight checkpoint of a benchmark shape, sharded like the hub's, for benchmarks and GPU runs.
 
 Usage: python -m benchmarks.random_checkpoint SHAPE OUT_DIR [--layers N] [--device cuda]
-SHAPE: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3.5-9b, qwen3.5-27b, llama-3.1-8b, mistral-small-24b
+SHAPE: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b, qwen3-8b, qwen3.5-9b, qwen3.5-27b, llama-3.1-8b,
+mistral-7b, mistral-small-24b
 (benchmarks/shapes.py). Every tensor the shape's ModelSpec expects, under the names transformers
 loads: a Qwen3.5's Gated DeltaNet layers get A_log = log(U(0.01, 16)) and dt_bias = 1 as transformers
 initialises them; norms scale near 1 (a zero-centred norm's weight is near 0, it scales by 1 + w).

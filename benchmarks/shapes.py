@@ -1,5 +1,5 @@
 """The model shapes the benchmarks run at, as transformers' config.json fields: Qwen2.5 0.5B to 7B,
-Qwen3.5 9B and 27B, Llama 3.1 8B and Mistral Small 24B."""
+Qwen3 0.6B and 8B, Qwen3.5 9B and 27B, Llama 3.1 8B, Mistral 7B and Mistral Small 24B."""
 
 QWEN25 = {
     "qwen2.5-0.5b": dict(
@@ -81,10 +81,33 @@ def _qwen3_5(hidden: int, layers: int, intermediate: int, heads: int, value_head
     }
 
 
-# Every shape the benchmarks run at, as a full config.json: the Qwen2.5 sizes above and one model of each
-# other family qlora trains.
+def _qwen3(hidden: int, layers: int, intermediate: int, heads: int, tie: bool) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Every shape the benchmarks run at, as a full config.json: the Qwen2.5 sizes above and the models of
+# the other families qlora trains (each shipped recipe's among them).
 MODELS = {
     **{name: {} for name in QWEN25},
+    "qwen3-0.6b": _qwen3(hidden=1024, layers=28, intermediate=3072, heads=16, tie=True),
+    "qwen3-8b": _qwen3(hidden=4096, layers=36, intermediate=12288, heads=32, tie=False),
     "qwen3.5-9b": _qwen3_5(hidden=4096, layers=32, intermediate=12288, heads=16, value_heads=32),
     "qwen3.5-27b": _qwen3_5(hidden=5120, layers=64, intermediate=17408, heads=24, value_heads=48),
     "llama-3.1-8b": {
@@ -109,6 +132,24 @@ MODELS = {
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
+    "mistral-7b": {  # Mistral-7B-v0.3: no sliding window, vocabulary 32768
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
     },

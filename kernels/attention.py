@@ -866,7 +866,8 @@ if TRITON_AVAILABLE:
 
 
 _LOG2_E = 1.4426950408889634
-_MAX_HEAD_DIM = 128
+# Qwen3.5's attention layers have head_dim 256, the largest of the families trained here.
+MAX_HEAD_DIM = 256
 
 
 def _document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -888,14 +889,19 @@ def _document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def _block_config(head_dim_pad: int, dtype: torch.dtype, is_cuda: bool) -> dict:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: 16-wide tiles in the interpreter.
 
-    The GPU values won a sweep on an H200 at Qwen2.5 7B and 0.5B shapes (bf16, D 128 and 64);
-    fp32 inputs take one pipeline stage less so their twice-as-large tiles fit shared memory.
+    The GPU values won sweeps on an H200 (benchmarks.packed_attention --sweep): D 64 and 128 at
+    Qwen2.5 7B and 0.5B shapes, D 256 at Qwen3.5's, bf16. fp32 inputs take one pipeline stage less
+    so their twice-as-large tiles fit shared memory.
     """
     if not is_cuda:
         return {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
-    config = {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 2)}
+    if head_dim_pad > 128:
+        # A 256-wide row of fp32 accumulators is twice a 128-wide one's: half the tile rows, 8 warps.
+        config = {"fwd": (64, 32, 8, 3), "dkdv": (32, 32, 8, 3), "dq": (64, 32, 8, 2)}
+    else:
+        config = {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 2)}
     if dtype == torch.float32:
-        config = {kind: (m, n, warps, stages - 1) for kind, (m, n, warps, stages) in config.items()}
+        config = {kind: (m, n, warps, max(1, stages - 1)) for kind, (m, n, warps, stages) in config.items()}
     return config
 
 
@@ -911,8 +917,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _launch_forward(q, k, v, doc_start, scale):
     """Returns the output [B, S, Hq, D] and the base-2 logsumexp [B, Hq, S] in fp32."""
     batch, seq_len, n_q_heads, head_dim = q.shape
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is above the supported {_MAX_HEAD_DIM}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is above the supported {MAX_HEAD_DIM}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     group = n_q_heads // k.shape[2]

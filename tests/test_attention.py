@@ -52,6 +52,10 @@ CASES = [
     (40, 16, 6, 2, False),
     (40, 32, 3, 1, True),
     (40, 16, 2, 2, True),
+    # The head sizes of the shipped families: Qwen2.5-0.5B, the 7-9B models, Qwen3.5's attention.
+    (23, 64, 2, 1, True),
+    (23, 128, 4, 2, True),
+    (23, 256, 4, 1, True),
 ]
 
 
@@ -195,15 +199,24 @@ def test_rejects_mismatched_heads():
 
 
 QWEN_7B_HEADS = {"n_q_heads": 28, "n_kv_heads": 4, "head_dim": 128}
+# (query heads, kv heads, head_dim) of the attention layers the shipped recipes train.
+FAMILY_HEADS = {
+    "qwen2.5-0.5b": {"n_q_heads": 14, "n_kv_heads": 2, "head_dim": 64},
+    "qwen2.5-7b": QWEN_7B_HEADS,
+    "qwen3.5-9b": {"n_q_heads": 16, "n_kv_heads": 4, "head_dim": 256},
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("batch", "seq_len"), [(1, 4096), (2, 2048)])
+@pytest.mark.parametrize("family", sorted(FAMILY_HEADS))
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_triton_bf16_qwen_7b_shapes(batch, seq_len, with_docs):
-    """bf16 kernel against fp32 sdpa. Tolerance: output within 2e-2 absolute, gradients within
-    1% of their largest entry, and never more than twice the error bf16 sdpa itself makes."""
-    fused, q, k, v = _qkv_views(batch, seq_len, **QWEN_7B_HEADS, dtype=torch.bfloat16, device="cuda")
+def test_triton_bf16_family_shapes(family, with_docs):
+    """bf16 kernel against fp32 sdpa on two 2048-token rows. Tolerance: output within 2e-2 absolute,
+    gradients within 1% of their largest entry, and never more than twice the error bf16 sdpa itself
+    makes (sdpa's flash kernel on plain rows, its masked one on packed rows)."""
+    heads = FAMILY_HEADS[family]
+    batch, seq_len = 2, 2048
+    fused, q, k, v = _qkv_views(batch, seq_len, **heads, dtype=torch.bfloat16, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(3)
     doc_ids = _packed_doc_ids(batch, seq_len, torch.Generator().manual_seed(3)).cuda() if with_docs else None
     dout = torch.randn(q.shape, generator=generator, device="cuda", dtype=torch.bfloat16)
@@ -211,10 +224,10 @@ def test_triton_bf16_qwen_7b_shapes(batch, seq_len, with_docs):
     def sdpa(q, k, v, doc_ids):
         return attention(q, k, v, doc_ids, backend="sdpa")
 
-    out, grad = _output_and_grads(attention, fused, q, k, v, doc_ids, dout)
+    out, grad = _output_and_grads(lambda *a: attention(*a, backend="triton"), fused, q, k, v, doc_ids, dout)
     bf16_out, bf16_grad = _output_and_grads(sdpa, fused, q, k, v, doc_ids, dout)
     fused32 = fused.detach().float().requires_grad_(True)
-    q32, k32, v32 = _split_fused(fused32, **QWEN_7B_HEADS)
+    q32, k32, v32 = _split_fused(fused32, **heads)
     ref_out, ref_grad = _output_and_grads(sdpa, fused32, q32, k32, v32, doc_ids, dout.float())
 
     out_err = (out.float() - ref_out).abs().max().item()
@@ -247,12 +260,15 @@ def test_flex_bf16_qwen_7b_shapes(with_docs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_triton_fp32_gpu_tiles(with_docs):
-    """The GPU tile sizes on a sequence that ends mid-tile; fp32 keeps the tolerance tight."""
-    fused, q, k, v = _qkv_views(2, 1000, **QWEN_7B_HEADS, device="cuda")
+def test_triton_fp32_gpu_tiles(head_dim, with_docs):
+    """The GPU tile sizes of each head size on rows that end mid-tile; fp32 keeps the tolerance tight.
+    Few heads: the tiles, not the head count, are what this checks."""
+    heads = {"n_q_heads": 4, "n_kv_heads": 2, "head_dim": head_dim}
+    fused, q, k, v = _qkv_views(2, 300, **heads, device="cuda")
     generator = torch.Generator().manual_seed(4)
-    doc_ids = _packed_doc_ids(2, 1000, generator).cuda() if with_docs else None
+    doc_ids = _packed_doc_ids(2, 300, generator).cuda() if with_docs else None
     dout = torch.randn(q.shape, generator=generator).cuda()
 
     out, grad = _output_and_grads(attention, fused, q, k, v, doc_ids, dout)

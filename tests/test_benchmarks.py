@@ -1,6 +1,7 @@
 """The benchmarks time with the profiler's helper and write their numbers as JSON beside the text."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -166,3 +167,53 @@ def test_llama_and_mistral_shapes_have_their_published_sizes():
     mistral = spec_from_config(model_config("mistral-small-24b")).expected_tensors()
     assert mistral["model.layers.0.self_attn.q_proj.weight"] == (4096, 5120)
     assert mistral["model.layers.39.self_attn.o_proj.weight"] == (5120, 4096)
+
+
+def test_the_recipe_shapes_have_their_published_sizes():
+    """Qwen3-0.6B 596,049,920 parameters (tied head), Qwen3-8B 8,190,735,360, Mistral-7B-v0.3 7,248,023,552."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.sources.weights import spec_from_config
+
+    published = {"qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "mistral-7b": 7_248_023_552}
+    for shape, parameters in published.items():
+        tensors = spec_from_config(model_config(shape)).expected_tensors()
+        assert sum(torch.Size(s).numel() for s in tensors.values()) == parameters, shape
+
+
+def test_every_recipe_reads_the_rows_and_tokenizer_the_recipe_benchmark_writes(tmp_path, run_cli):
+    """benchmarks.recipes gives each shipped config rows in its dataset format and a tokenizer holding
+    its chat template's tokens: `qlora data` takes them with the config's own settings, and trains
+    tokens of every recipe (no weights needed)."""
+    import json
+    import shutil
+
+    import yaml
+
+    from benchmarks.random_checkpoint import DEMO_TOKENIZER
+    from benchmarks.recipes import CONFIGS, add_template_tokens, write_recipe_rows
+    from benchmarks.shapes import model_config
+
+    assert {c.stem for c in CONFIGS} == {
+        "llama-3.1-8b",
+        "mistral-7b",
+        "qwen2.5-0.5b",
+        "qwen2.5-7b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "qwen3.5-27b",
+        "qwen3.5-9b",
+    }
+    for config in CONFIGS:
+        settings = yaml.safe_load(config.read_text())
+        folder = tmp_path / config.stem
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(model_config(config.stem, 4)))
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(DEMO_TOKENIZER / file, folder / file)
+        add_template_tokens(folder, settings.get("chat_template"))
+        rows = write_recipe_rows(folder / "rows.jsonl", settings["datasets"][0], 40)
+        code, out, err = run_cli(
+            "data", config, "--set", f"base_model={folder}", "--set", f"datasets.0.path={rows}"
+        )
+        assert code == 0, f"{config.name}: {err}"
+        assert re.search(r"[1-9][\d,]* \(\d+%\)", out), f"{config.name} trains no token:\n{out}"

@@ -145,3 +145,16 @@ def test_a_llama_with_attention_and_mlp_bias_matches_transformers_and_trains(tmp
     with torch.no_grad():
         assert (ours(ids) - load_transformers(folder)(ids).logits).abs().max().item() < 1e-4
     assert train(load_config(path, ["chat_template=llama3"])).step == 2
+
+
+def test_a_head_larger_than_the_attention_kernels_take_is_refused_before_loading(tmp_path, run_cli):
+    """head_dim 512 (over kernels.attention's 256): one line naming it, exit 2, from `qlora train` and
+    from loading the model for generation, before any weights stream in."""
+    writer = functools.partial(write_llama, head_dim=512)
+    path = write_run(tmp_path / "run", model_writer=writer, **SMALL, max_steps=1)
+    code, out, err = run_cli("train", path)
+    line = "config.json: head_dim 512 is above 256, the largest head qlora's attention takes"
+    assert code == 2 and line in err and "Traceback" not in err + out
+    assert not (tmp_path / "run" / "outputs" / "checkpoint-1").exists()
+    with pytest.raises(QLoraError, match=line):
+        QLoRAModel.from_pretrained(tmp_path / "run" / "model")

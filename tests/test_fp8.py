@@ -7,8 +7,11 @@ import pytest
 import torch
 from checkpoints import write_qwen2
 
+from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.lora import LAYER_GROUPS
 from qlora_cli.model.settings import fp8_problem
+from qlora_cli.sources.weights import spec_from_config
 from qlora_kernels.fp8 import (
     E4M3_MAX,
     fp8_scales,
@@ -247,6 +250,61 @@ def test_gpu_fp8_product_is_within_e4m3_rounding():
     bound = _rounding_bound(x.float(), dense, quantize_rows_reference(x)[1], scales.row)
     # The bf16 output adds its own rounding, 2^-9 of the value.
     assert ((y.float() - want).abs() <= bound + 2.0**-8 * want.abs()).all()
+
+
+def _family_groups():
+    """(family, layer kind, group, [out, in] of each projection) of every frozen projection group the
+    shipped families train."""
+    for family in ("qwen2.5-7b", "llama-3.1-8b", "qwen3.5-9b"):
+        spec = spec_from_config(model_config(family))
+        for kind in sorted(set(spec.layer_types)):
+            shapes = spec.projection_shapes(kind)
+            for group, names in LAYER_GROUPS[kind].items():
+                yield pytest.param([shapes[n] for n in names], id=f"{family}-{group}")
+
+
+@gpu
+@pytest.mark.parametrize("shapes", list(_family_groups()))
+def test_gpu_fp8_products_at_each_familys_groups(shapes):
+    """Forward and input gradient through lora_linear (LoRA on every projection, as training runs it)
+    at full size, against fp32 products of the same NF4 weights. Relative error of the frozen part:
+    each e4m3 operand is off by 2^-4/sqrt(3) rms, the product by sqrt(2) of that, 0.051; the bf16
+    output adds 2^-9; LoRA's part is exact to bf16. A scale on the wrong axis, a stale or misplaced
+    weight layout, or a non-finite value is far outside that."""
+    in_features = shapes[0][1]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weights = [
+        quantize_nf4(torch.randn(out, in_features, generator=generator, device="cuda") * 0.02)
+        for out, _ in shapes
+    ]
+    dense = [dequantize_nf4_reference(replace(w, dtype=torch.float32)) for w in weights]
+    rank, tokens = 16, 2048
+    lora_a = [torch.randn(rank, in_features, generator=generator, device="cuda") * 0.01 for _ in shapes]
+    lora_b = [torch.randn(out, rank, generator=generator, device="cuda") * 0.01 for out, _ in shapes]
+    x = torch.randn(tokens, in_features, generator=generator, device="cuda")
+    x[5] = 0.0  # a padded token
+    dy = torch.randn(tokens, sum(out for out, _ in shapes), generator=generator, device="cuda")
+    dy[: tokens // 8] = 0.0  # masked labels: tokens without gradient
+    none = [None] * len(shapes)
+    x16 = x.bfloat16().requires_grad_()
+    y = lora_linear(
+        x16,
+        weights,
+        none,
+        [a.bfloat16() for a in lora_a],
+        [b.bfloat16() for b in lora_b],
+        2.0,
+        fp8=fp8_scales(weights),
+    )
+    (dx,) = torch.autograd.grad(y, [x16], dy.bfloat16())
+    x32 = x16.detach().float().requires_grad_()
+    want_y = lora_linear_reference(x32, dense, none, lora_a, lora_b, 2.0)
+    (want_dx,) = torch.autograd.grad(want_y, [x32], dy.bfloat16().float())
+    bound = 2**0.5 * 2.0**-4 / 3**0.5 + 2.0**-9
+    for name, got, want in (("forward", y, want_y), ("input gradient", dx, want_dx)):
+        assert torch.isfinite(got).all(), f"{name}: non-finite values"
+        error = float((got.float() - want).norm() / want.norm())
+        assert error < bound, f"{name}: relative error {error:.3g}, bound {bound:.3g}"
 
 
 def test_gpus_without_fp8_tensor_cores_are_named(monkeypatch):

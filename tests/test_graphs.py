@@ -111,10 +111,15 @@ def test_replayed_micro_batches_accumulate_what_eager_ones_do(deterministic_algo
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
-def test_train_with_graphs_follows_the_eager_run(tmp_path, lora_dropout):
+def test_train_with_graphs_follows_the_eager_run(tmp_path, lora_dropout, deterministic_algorithms):
     """Packed rows with an epoch's short last micro-batch (padded for the graph), accumulation and
     recompute, with and without LoRA dropout: cuda_graphs auto on the GPU gives the losses and
-    gradient norms of cuda_graphs false (dropout masks come from the step's seeds either way)."""
+    gradient norms of cuda_graphs false (dropout masks come from the step's seeds either way).
+
+    Deterministic algorithms: SwiGLU's backward otherwise adds LoRA's t gradient with fp32 atomics,
+    whose order changes from run to run; eight AdamW steps grow that last-bit noise past the bound
+    in some runs and not in others. With fixed-order sums two runs differ only where the graph's
+    padded micro-batch sums over more rows, the same way every time."""
     settings = dict(
         lora_dropout=lora_dropout,
         device="cuda",
@@ -133,9 +138,12 @@ def test_train_with_graphs_follows_the_eager_run(tmp_path, lora_dropout):
     )
     got, expected = _records(graphed.output_dir), _records(eager.output_dir)
     assert [r["step"] for r in got] == list(range(1, 9))
-    for a, b in zip(expected, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    curves = [
+        (a["loss"], b["loss"], a["grad_norm"], b["grad_norm"]) for a, b in zip(expected, got, strict=True)
+    ]
+    for eager_loss, graph_loss, eager_norm, graph_norm in curves:
+        assert graph_loss == pytest.approx(eager_loss, rel=1e-5), curves
+        assert graph_norm == pytest.approx(eager_norm, rel=1e-4), curves
 
 
 def test_a_padded_batch_trains_as_the_short_one(tmp_path, reference_ops):

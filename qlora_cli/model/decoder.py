@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
-from qlora_cli.model.layers import DecoderLayer, LayerCache
+from qlora_cli.model.layers import DecoderLayer, LayerCache, head_size_problem
 from qlora_cli.model.lora import PROJECTION_GROUP, LoRAConfig
 from qlora_cli.model.offload import HostOffloader, OffloadedLayer
 from qlora_cli.sources.hub import resolve_model
@@ -57,6 +58,8 @@ class QLoRAModel(nn.Module):
         offload_activations: bool = False,
     ):
         super().__init__()
+        if problem := head_size_problem(spec):
+            raise QLoraError(problem)
         self.spec = spec
         self.offload_activations = offload_activations
         self.offloader: HostOffloader | None = None

@@ -35,8 +35,8 @@ from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig, ProjectionGroup
 from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
-from qlora_cli.sources.weights import LINEAR_ATTENTION, ModelSpec
-from qlora_kernels.attention import attention
+from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_kernels.attention import MAX_HEAD_DIM, attention
 from qlora_kernels.conv1d import causal_conv1d, causal_conv1d_step
 from qlora_kernels.delta_rule import gated_delta_rule, gated_delta_rule_step
 from qlora_kernels.rmsnorm import add_rms_norm, gated_rms_norm
@@ -91,6 +91,14 @@ class LayerCache(Protocol):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def keep_states(self, conv_input: torch.Tensor, recurrent_state: torch.Tensor) -> None: ...
+
+
+def head_size_problem(spec: ModelSpec) -> str | None:
+    """Why the attention kernels cannot take the model's heads, or None: said before anything loads,
+    instead of a traceback from the first packed micro-batch."""
+    if FULL_ATTENTION in spec.layer_types and spec.head_dim > MAX_HEAD_DIM:
+        return f"config.json: head_dim {spec.head_dim} is above {MAX_HEAD_DIM}, the largest head qlora's attention takes"
+    return None
 
 
 def choose_attention_backend(setting: str, doc_ids: torch.Tensor | None) -> str:
