@@ -889,18 +889,25 @@ def _document_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def _block_config(head_dim_pad: int, dtype: torch.dtype, is_cuda: bool) -> dict:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: 16-wide tiles in the interpreter.
 
-    The GPU values won sweeps on an H200 (benchmarks.packed_attention --sweep): D 64 and 128 at
-    Qwen2.5 7B and 0.5B shapes, D 256 at Qwen3.5's, bf16. fp32 inputs take one pipeline stage less
-    so their twice-as-large tiles fit shared memory.
+    The GPU values won sweeps on an H200 (benchmarks.packed_attention --sweep, benchmarks/RESULTS.md):
+    D 64 and 128 at Qwen2.5 7B and 0.5B shapes, D 256 at Qwen3.5's, bf16 on packed rows.
     """
     if not is_cuda:
         return {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
+    if dtype == torch.float32 and head_dim_pad > 64:
+        # NOTE: fp32 dots run "ieee", as FMA loops on tiles held in registers. With the bf16 tiles, D 128
+        # spilled 60-68 KB a thread on sm_90 and each kernel took 70-140 s to compile (the GPU tests'
+        # largest cost); these spill at most 0.4 KB and compile in under 12 s (benchmarks.kernel_resources).
+        tile = (32, 32, 8, 1) if head_dim_pad <= 128 else (16, 16, 8, 1)
+        return {"fwd": tile, "dkdv": tile, "dq": tile}
     if head_dim_pad > 128:
-        # A 256-wide row of fp32 accumulators is twice a 128-wide one's: half the tile rows, 8 warps.
-        config = {"fwd": (64, 32, 8, 3), "dkdv": (32, 32, 8, 3), "dq": (64, 32, 8, 2)}
+        # Twice a 128-wide head's accumulators: 8 warps; on packed 4 x 2048 rows these took 0.32 ms
+        # forward against 0.64 for (64, 32, 8, 3), and 1.09 / 1.15 ms in the backward against 1.32 / 1.31.
+        config = {"fwd": (128, 32, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (128, 32, 8, 2)}
     else:
         config = {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 2)}
     if dtype == torch.float32:
+        # fp32 tiles are twice as large: one pipeline stage less keeps them in shared memory.
         config = {kind: (m, n, warps, max(1, stages - 1)) for kind, (m, n, warps, stages) in config.items()}
     return config
 

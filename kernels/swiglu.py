@@ -85,9 +85,9 @@ if TRITON_AVAILABLE:
         )
 
     @triton.jit
-    def _lora_add(base, t, b, scaling):
+    def _lora_add(base, t, b, scaling, PRECISION: tl.constexpr):
         """base + scaling * t @ b^T; the product accumulates in fp32."""
-        return base + scaling * tl.dot(t, tl.trans(b))
+        return base + scaling * tl.dot(t, tl.trans(b), input_precision=PRECISION)
 
     @triton.jit
     def _lora_swiglu_fwd_kernel(
@@ -115,6 +115,7 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         RANK_BLOCK: tl.constexpr,
         DOWN_RANK_BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """One program: BLOCK_T tokens across one split of the columns; it writes its split's part of
         down_t's sum over columns in fp32, and the launcher adds the splits."""
@@ -138,9 +139,11 @@ if TRITON_AVAILABLE:
             gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
             if GATE_LORA:
-                gate = _lora_add(gate, t_gate, _load_b(gate_b_ptr, cols, col_mask, ranks, rank), scaling)
+                gate = _lora_add(
+                    gate, t_gate, _load_b(gate_b_ptr, cols, col_mask, ranks, rank), scaling, PRECISION
+                )
             if UP_LORA:
-                up = _lora_add(up, t_up, _load_b(up_b_ptr, cols, col_mask, ranks, rank), scaling)
+                up = _lora_add(up, t_up, _load_b(up_b_ptr, cols, col_mask, ranks, rank), scaling, PRECISION)
             h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
             if STORE_H:
                 tl.store(h_ptr + rows[:, None] * n_cols + cols[None, :], h, mask=mask)
@@ -150,7 +153,7 @@ if TRITON_AVAILABLE:
                     mask=col_mask[:, None] & (down_ranks[None, :] < down_rank),
                     other=0.0,
                 )
-                down_t += tl.dot(h, a_t)
+                down_t += tl.dot(h, a_t, input_precision=PRECISION)
         if DOWN_LORA:
             tl.store(
                 down_t_ptr + (split * n_rows + rows[:, None]) * down_rank + down_ranks[None, :],
@@ -191,6 +194,7 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         RANK_BLOCK: tl.constexpr,
         DOWN_RANK_BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """One program: BLOCK_N columns down one split of the tokens; it writes its split's part of
         the weight gradients' sums over tokens in fp32, without atomics, and the launcher adds the
@@ -227,10 +231,10 @@ if TRITON_AVAILABLE:
             t_offsets = rows[:, None] * t_stride + ranks[None, :]
             if GATE_LORA:
                 t_gate = tl.load(t_gate_ptr + t_offsets, mask=t_mask, other=0.0)
-                gate = _lora_add(gate, t_gate, gate_b, scaling)
+                gate = _lora_add(gate, t_gate, gate_b, scaling, PRECISION)
             if UP_LORA:
                 t_up = tl.load(t_up_ptr + t_offsets, mask=t_mask, other=0.0)
-                up = _lora_add(up, t_up, up_b, scaling)
+                up = _lora_add(up, t_up, up_b, scaling, PRECISION)
             dh_ptrs = dh_ptr + rows[:, None] * dh_stride + cols[None, :]
             dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
@@ -241,23 +245,23 @@ if TRITON_AVAILABLE:
                     mask=row_mask[:, None] & down_rank_mask[None, :],
                     other=0.0,
                 )
-                dh += tl.dot(down_dt, down_a)
+                dh += tl.dot(down_dt, down_a, input_precision=PRECISION)
                 h = (silu * up).to(down_dt.dtype)
-                ddown_a += tl.dot(tl.trans(down_dt), h)
+                ddown_a += tl.dot(tl.trans(down_dt), h, input_precision=PRECISION)
             dgate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_up_ptr.dtype.element_ty)
             dup = (dh * silu).to(dgate_up_ptr.dtype.element_ty)
             dgate_ptrs = dgate_up_ptr + rows[:, None] * (2 * n_cols) + cols[None, :]
             tl.store(dgate_ptrs, dgate, mask=mask)
             tl.store(dgate_ptrs + n_cols, dup, mask=mask)
             if GATE_LORA:
-                dgate_b += tl.dot(tl.trans(dgate), t_gate)
+                dgate_b += tl.dot(tl.trans(dgate), t_gate, input_precision=PRECISION)
                 if LORA_T_GRAD:
-                    dt_gate = scaling * tl.dot(dgate, gate_b)
+                    dt_gate = scaling * tl.dot(dgate, gate_b, input_precision=PRECISION)
                     tl.atomic_add(dt_gate_ptr + t_offsets, dt_gate, mask=t_mask, sem="relaxed")
             if UP_LORA:
-                dup_b += tl.dot(tl.trans(dup), t_up)
+                dup_b += tl.dot(tl.trans(dup), t_up, input_precision=PRECISION)
                 if LORA_T_GRAD:
-                    dt_up = scaling * tl.dot(dup, up_b)
+                    dt_up = scaling * tl.dot(dup, up_b, input_precision=PRECISION)
                     tl.atomic_add(dt_up_ptr + t_offsets, dt_up, mask=t_mask, sem="relaxed")
         b_ptrs = (split * n_cols + cols[:, None]) * rank + ranks[None, :]
         b_mask = col_mask[:, None] & (ranks[None, :] < rank)
@@ -366,6 +370,8 @@ class _Operands:
             DOWN_LORA=down,
             RANK_BLOCK=_rank_block(self.rank),
             DOWN_RANK_BLOCK=_rank_block(self.down_rank),
+            # fp32 keeps full precision in LoRA's products (tf32 would cost about three digits).
+            PRECISION="ieee" if self.dtype == torch.float32 else "tf32",
         )
 
 

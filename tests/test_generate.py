@@ -602,10 +602,11 @@ def test_cuda_generation_agrees_with_the_cpu_reference(family_run):
     cpu_engine = DecodingEngine(reference.model)
     cpu_cache, _ = cpu_engine.prepare(len(prompts), 64)
     got, expected = first.prefill(cache, prompts).cpu(), cpu_engine.prefill(cpu_cache, prompts)
-    # The CUDA prefill runs the training Triton kernels, whose fp32 products take TF32 tensor cores
-    # (10-bit mantissas): on the H200 that moved logits of magnitude ~1.5 by up to 1.8e-3, so the bound
-    # is relative to the logits' size rather than absolute.
-    assert (got - expected).abs().max().item() < 5e-3 * expected.abs().max().item()
+    # fp32 both ways, every Triton product in full precision ("ieee", no TF32); the kernels and cuBLAS
+    # sum in other orders than the CPU does (the delta rule's chunks and triangular solve among them),
+    # so the bound is 1e-4 of the logits' scale, as for the interpreter below. TF32 in one product
+    # (10-bit mantissas) moved a Qwen3.5 prefill by 7.9e-3 of its scale on an H200.
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
 
 
 @pytest.mark.skipif(
