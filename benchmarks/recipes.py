@@ -173,6 +173,7 @@ def run_recipe(config_path: Path, args) -> dict:
             "max_steps": args.steps,
             "save_steps": SAVE_EVERY,
             "eval_steps": SAVE_EVERY,
+            "logging_steps": 1,
             "output_dir": output_dir,
         }
         train = ["train", str(config_path)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
