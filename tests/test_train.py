@@ -388,6 +388,37 @@ def test_resume_refuses_a_changed_data_file_unless_accepted(tmp_path, run_cli):
     )
 
 
+def error_line(result) -> str:
+    """The one line a refused command prints, checked to be all it printed, with exit code 2."""
+    code, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_resume_refuses_a_file_added_to_or_removed_from_a_dataset_folder(tmp_path, run_cli):
+    """A dataset folder reads every data file in it: one added since the checkpoint, or one gone, moves the
+    rows under the data cursor as much as a file changed in place, and is named as added or gone."""
+    folder = (tmp_path / "run" / "data").resolve()
+    path = write_run(tmp_path / "run", max_steps=2, datasets=[{"path": str(folder), "type": "chat_template"}])
+    rows = (tmp_path / "run" / "train.jsonl").read_text().splitlines(keepends=True)
+    folder.mkdir()
+    (folder / "first.jsonl").write_text("".join(rows[:24]))
+    (folder / "second.jsonl").write_text("".join(rows[24:40]))
+    assert run_cli("train", path)[0] == 0
+    out = tmp_path / "run" / "out"
+    refused = f"error: cannot resume {out / 'checkpoint-2'}: "
+    (folder / "third.jsonl").write_text("".join(rows[40:]))
+    line = error_line(run_cli("resume", out, "--set", "max_steps=3"))
+    assert line.startswith(f"{refused}{folder / 'third.jsonl'} was added since the checkpoint was written;")
+    (folder / "third.jsonl").unlink()
+    (folder / "second.jsonl").unlink()
+    line = error_line(run_cli("resume", out, "--set", "max_steps=3"))
+    assert line.startswith(
+        f"{refused}{folder / 'second.jsonl'} is no longer read since the checkpoint was written;"
+    )
+
+
 def test_resume_chooses_a_given_checkpoint(tmp_path):
     result = _run(tmp_path, "run", max_steps=4, save_steps=2)
     resumed = resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2")

@@ -329,7 +329,17 @@ def fingerprint(file: Path) -> dict:
 
 
 def changed_files(recorded: list[dict], current: list[dict]) -> list[str]:
-    """The files whose recorded fingerprint the current ones do not match: changed, gone or new."""
+    """How the files read now differ from the recorded ones, each as '<path> changed', '<path> was added'
+    or '<path> is no longer read': a file added to a dataset's folder or its data_files counts as much
+    as one changed in place."""
     before = {entry["path"]: entry for entry in recorded}
     now = {entry["path"]: entry for entry in current}
-    return sorted(path for path in before.keys() | now.keys() if before.get(path) != now.get(path))
+    changed = []
+    for path in sorted(before.keys() | now.keys()):
+        if path not in now:
+            changed.append(f"{path} is no longer read")
+        elif path not in before:
+            changed.append(f"{path} was added")
+        elif before[path] != now[path]:
+            changed.append(f"{path} changed")
+    return changed

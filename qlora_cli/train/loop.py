@@ -356,14 +356,12 @@ def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, a
     if not accept:
         others = f" (and {count(len(changed) - 1, 'other file')})" if len(changed) > 1 else ""
         raise QLoraError(
-            f"cannot resume {checkpoint}: {changed[0]}{others} changed since the checkpoint was written; "
+            f"cannot resume {checkpoint}: {changed[0]}{others} since the checkpoint was written; "
             f"{at}; continue anyway with `qlora resume {run.config.output_dir} --accept-changed-data"
             f"{run.dist.resume_option}`"
         )
-    for path in changed:
-        out.print(
-            f"[yellow]note:[/] {escape(f'{path} changed since {checkpoint} (--accept-changed-data): {at}')}"
-        )
+    for change in changed:
+        out.print(f"[yellow]note:[/] {escape(f'{change} since {checkpoint} (--accept-changed-data): {at}')}")
 
 
 def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
