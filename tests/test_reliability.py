@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from checkpoints import add_demo_tokenizer, subprocess_env, write_qwen3, write_run
+from checkpoints import add_demo_tokenizer, subprocess_env, suggested, write_qwen3, write_run
 from safetensors.torch import load_file
 
 from qlora_cli.config.loading import load_config
@@ -456,11 +456,11 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
     adapter.write_bytes(adapter.read_bytes()[:100])
     line = error_line(run_cli("resume", out, "--set", "max_steps=6"))
     assert str(out / "checkpoint-4") in line and "corrupt" in line
-    assert f"qlora resume {out} --checkpoint {out / 'checkpoint-2'}" in line
+    assert line.endswith(f"`qlora resume {out} --checkpoint {out / 'checkpoint-2'} --set max_steps=6`")
     assert f"qlora export {out / 'checkpoint-2'}" in error_line(
         run_cli("export", out, "--out", tmp_path / "x")
     )
-    code, _, err = run_cli("resume", out, "--checkpoint", out / "checkpoint-2", "--set", "max_steps=6")
+    code, _, err = run_cli(*suggested(line))
     assert code == 0, err
     assert checkpoint_problem(out / "checkpoint-4") is None
     assert (out / "superseded-checkpoint-4" / "adapter_model.safetensors").stat().st_size == 100

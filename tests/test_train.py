@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import subprocess_env, write_run
+from checkpoints import subprocess_env, suggested, write_run
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
-from qlora_cli.rundir.checkpoint import read_checkpoint_config
+from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
@@ -372,16 +372,16 @@ def test_resume_refuses_a_changed_data_file_unless_accepted(tmp_path, run_cli):
     assert code == 0, err
     rows = data.read_text().splitlines(keepends=True)
     data.write_text("".join([rows[1], rows[0], *rows[2:]]))  # the same size, other bytes
-    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4")
-    assert code == 2
-    assert [line for line in err.splitlines() if line.strip()] == [
+    line = error_line(run_cli("resume", result.output_dir, "--set", "max_steps=4"))
+    assert line == (
         f"error: cannot resume {result.output_dir / 'checkpoint-3'}: {data} changed since the checkpoint was "
         "written; step 3 continues at micro-batch 3 of epoch 0 of the changed data, so rows of this epoch "
         f"may be skipped or seen twice; continue anyway with `qlora resume {result.output_dir} "
-        "--accept-changed-data`"
-    ]
-    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4", "--accept-changed-data")
+        "--set max_steps=4 --accept-changed-data`"
+    )
+    code, _, err = run_cli(*suggested(line))
     assert code == 0, err
+    assert read_trainer_state(result.output_dir / "checkpoint-4")["step"] == 4
     assert (
         f"note: {data} changed since {result.output_dir / 'checkpoint-3'} (--accept-changed-data)"
         in " ".join(err.split())
@@ -394,6 +394,42 @@ def error_line(result) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def test_resume_follows_a_data_file_that_moved_with_the_same_bytes(tmp_path, run_cli, monkeypatch):
+    """The same bytes at a new path are the same rows: resume reads them there with a note that the file
+    moved, and later checkpoints name the new path. Other bytes there are refused, and the command the
+    refusal suggests runs as written."""
+    result = _run(tmp_path, "run", max_steps=2)
+    out = result.output_dir
+    data = (tmp_path / "run" / "train.jsonl").resolve()
+    moved = data.with_name("moved.jsonl")
+    data.rename(moved)
+    monkeypatch.chdir(data.parent)
+    code, _, err = run_cli("resume", out, "--set", "datasets.0.path=moved.jsonl", "--set", "max_steps=3")
+    assert code == 0, err
+    assert (
+        f"note: data file {data} moved to {moved} since {out / 'checkpoint-2'}: the same bytes, so the same rows"
+        in " ".join(err.split())
+    )
+    assert "--accept-changed-data" not in err
+    assert read_checkpoint_config(out / "checkpoint-3").datasets[0].path == str(moved)
+    rows = moved.read_text().splitlines(keepends=True)
+    other = data.with_name("other.jsonl")
+    other.write_text("".join([rows[1], rows[0], *rows[2:]]))
+    line = error_line(run_cli("resume", out, "--set", "datasets.0.path=other.jsonl", "--set", "max_steps=4"))
+    assert line.startswith(
+        f"error: cannot resume {out / 'checkpoint-3'}: {moved} is no longer read (and 1 other file) since the "
+        "checkpoint was written;"
+    )
+    command = suggested(line)
+    assert command == [
+        *("resume", str(out), "--set", "datasets.0.path=other.jsonl", "--set", "max_steps=4"),
+        "--accept-changed-data",
+    ]
+    code, _, err = run_cli(*command)
+    assert code == 0, err
+    assert read_checkpoint_config(out / "checkpoint-4").datasets[0].path == str(other)
 
 
 def test_resume_refuses_a_file_added_to_or_removed_from_a_dataset_folder(tmp_path, run_cli):
@@ -417,6 +453,32 @@ def test_resume_refuses_a_file_added_to_or_removed_from_a_dataset_folder(tmp_pat
     assert line.startswith(
         f"{refused}{folder / 'second.jsonl'} is no longer read since the checkpoint was written;"
     )
+
+
+def test_a_dataset_that_moved_is_asked_for_by_its_key(tmp_path, run_cli):
+    result = _run(tmp_path, "run", max_steps=2)
+    data = (tmp_path / "run" / "train.jsonl").resolve()
+    data.rename(data.with_name("moved.jsonl"))
+    assert error_line(run_cli("resume", result.output_dir)) == (
+        f"error: cannot resume {result.output_dir / 'checkpoint-2'}: its dataset datasets.0, {data}, does not "
+        "exist; if it moved, give its new place with --set datasets.0.path=NEW_PATH"
+    )
+
+
+def test_train_resuming_its_checkpoint_suggests_itself_with_accept_changed_data(tmp_path, run_cli):
+    """`qlora train` with auto_resume_from_checkpoints continues under its own config: the command it
+    suggests for changed data is itself, and runs."""
+    path = write_run(tmp_path / "run", max_steps=2, auto_resume_from_checkpoints=True)
+    assert run_cli("train", path)[0] == 0
+    data = tmp_path / "run" / "train.jsonl"
+    rows = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([rows[1], rows[0], *rows[2:]]))
+    line = error_line(run_cli("train", path, "--set", "max_steps=3"))
+    command = suggested(line)
+    assert command == ["train", str(path), "--set", "max_steps=3", "--accept-changed-data"]
+    code, _, err = run_cli(*command)
+    assert code == 0, err
+    assert read_trainer_state(tmp_path / "run" / "out" / "checkpoint-3")["step"] == 3
 
 
 def test_resume_chooses_a_given_checkpoint(tmp_path):

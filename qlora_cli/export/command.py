@@ -99,7 +99,7 @@ def find_checkpoint(path: Path) -> Path:
     if (path / STATE_FILE).is_file():
         return path
     found = (
-        usable_checkpoint(path, "export it with `qlora export {checkpoint} --out …`")
+        usable_checkpoint(path, lambda found: f"export it with `qlora export {found} --out …`")
         if path.is_dir()
         else None
     )

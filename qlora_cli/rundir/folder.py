@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +65,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def usable_checkpoint(output_dir: Path, use_instead: str) -> Path | None:
+def usable_checkpoint(output_dir: Path, use_instead: Callable[[Path], str]) -> Path | None:
     """The owner's newest checkpoint, checked readable; None when it has none.
 
-    A damaged newest checkpoint is an error naming it and the newest complete one, with `use_instead`
-    (formatted with {checkpoint}) saying how to continue from that one.
+    A damaged newest checkpoint is an error naming it and the newest complete one, with
+    `use_instead(that checkpoint)` saying how to continue from that one.
     """
     output_dir = Path(output_dir)
     run_id = owner_run(output_dir)
@@ -84,10 +84,7 @@ def usable_checkpoint(output_dir: Path, use_instead: str) -> Path | None:
         if problem is None and damaged is None:
             return folder
         if problem is None:
-            raise QLoraError(
-                f"{damaged}; the newest complete checkpoint is {folder}: "
-                + use_instead.format(checkpoint=folder)
-            )
+            raise QLoraError(f"{damaged}; the newest complete checkpoint is {folder}: " + use_instead(folder))
         damaged = damaged or problem
     if damaged is not None:
         raise QLoraError(f"{damaged}; no complete checkpoint is left in {output_dir}")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shlex
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
-from qlora_cli.data.files import changed_files
+from qlora_cli.data.files import changed_files, moved_files
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
 from qlora_cli.rundir.checkpoint import (
@@ -190,9 +191,14 @@ def train(
     console: Console | None = None,
     observe_step: StepObserver | None = None,
     accept_changed_data: bool = False,
+    command: Sequence[str] = (),
 ) -> TrainResult:
     """Train LoRA adapters as the config says; with resume_from, continue that checkpoint (whose local
     data files must read as they did, unless accept_changed_data).
+
+    `command`: the arguments of the `qlora` command that asked for this, which a refusal that
+    --accept-changed-data lifts suggests again with it (by default `resume OUTPUT_DIR --checkpoint
+    RESUME_FROM`, which continues the checkpoint's own config).
 
     With `observe_step`, every optimizer step runs inside `observe_step(device)`, and the steps run
     eagerly (no CUDA graphs), so that what it times is each op: `qlora profile` passes its recorder's
@@ -207,6 +213,8 @@ def train(
         resume_from = configured_resume(config)
     console = console or OutputConsole(stderr=True)
     output_dir = Path(config.output_dir)
+    if resume_from is not None and not command:
+        command = ("resume", str(output_dir), "--checkpoint", str(resume_from))
     trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
     with (
         StopSignals(console, output_dir) as signals,
@@ -224,7 +232,7 @@ def train(
             )
         result = _train(
             config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started,
-            accept_changed_data,
+            accept_changed_data, command,
         )  # fmt: skip
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
@@ -270,6 +278,7 @@ def _train(
     observe_step: StepObserver | None = None,
     started: float | None = None,
     accept_changed_data: bool = False,
+    command: Sequence[str] = (),
 ) -> TrainResult:
     """`started`: when the caller began, so that the start-up reported covers its part too."""
     started = time.perf_counter() if started is None else started
@@ -285,7 +294,7 @@ def _train(
         run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
-        start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
+        start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data, command)
         if dist.is_main:
             logged = [] if resume_from is None else logged_records(output_dir / METRICS_FILE)
             trackers.start(output_dir, start, tracker_state, warn=out.print, logged=logged)
@@ -331,22 +340,30 @@ def _train(
 
 
 def _restore(
-    run: Run, resume_from: Path | None, out: RunOutput, accept_changed_data: bool = False
+    run: Run, resume_from: Path | None, out: RunOutput, accept_changed_data: bool, command: Sequence[str]
 ) -> tuple[int, list[dict], dict]:
     """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
     fresh start's. An "rng" entry that older checkpoints hold is not read: nothing draws from it."""
     if resume_from is None:
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
-    _check_data_files(run, state, resume_from, out, accept_changed_data)
+    _check_data_files(run, state, resume_from, out, accept_changed_data, command)
     out.print(escape(f"resuming from {resume_from} at step {state['step']}"))
     return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
 
 
-def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool) -> None:
+def _check_data_files(
+    run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool, command: Sequence[str]
+) -> None:
     """A resumed run continues at the checkpoint's step, which places it in the data by position: a local
-    file that changed since (checkpoints before this check record none) moves the rows under it."""
-    changed = changed_files(state.get("data_files", run.data_files), run.data_files)
+    file that changed since (checkpoints before this check record none) moves the rows under it. Files
+    that only moved, the same bytes read in the same order, are the same rows."""
+    recorded = state.get("data_files", run.data_files)
+    moved = moved_files(recorded, run.data_files)
+    for then, now in moved or ():
+        note = f"data file {then} moved to {now} since {checkpoint}: the same bytes, so the same rows"
+        out.print(f"[yellow]note:[/] {escape(note)}")
+    changed = [] if moved is not None else changed_files(recorded, run.data_files)
     if not changed:
         return
     at = (
@@ -357,11 +374,16 @@ def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, a
         others = f" (and {count(len(changed) - 1, 'other file')})" if len(changed) > 1 else ""
         raise QLoraError(
             f"cannot resume {checkpoint}: {changed[0]}{others} since the checkpoint was written; "
-            f"{at}; continue anyway with `qlora resume {run.config.output_dir} --accept-changed-data"
-            f"{run.dist.resume_option}`"
+            f"{at}; continue anyway with {_suggest([*command, '--accept-changed-data'], run.dist)}"
         )
     for change in changed:
         out.print(f"[yellow]note:[/] {escape(f'{change} since {checkpoint} (--accept-changed-data): {at}')}")
+
+
+def _suggest(words: Sequence[str], dist: Distributed | None = None) -> str:
+    """A `qlora` command as a message suggests it: quoted for the shell, so that it runs as written, and
+    under several processes with their number."""
+    return f"`qlora {shlex.join(words)}{dist.resume_option if dist else ''}`"
 
 
 def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
@@ -463,6 +485,18 @@ def _write_final_adapter(run: Run, checkpoint: Path) -> None:
             ) from None
 
 
+def _check_data_found(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
+    """Each local dataset the checkpoint read is still where its config names it, or is given a new place."""
+    for key in ("datasets", "test_datasets"):
+        for index, (before, now) in enumerate(zip(getattr(saved, key), getattr(config, key), strict=False)):
+            path = Path(now.path)
+            if now.path == before.path and path.is_absolute() and not path.exists():
+                raise QLoraError(
+                    f"cannot resume {checkpoint}: its dataset {key}.{index}, {path}, does not exist; if it "
+                    f"moved, give its new place with --set {key}.{index}.path=NEW_PATH"
+                )
+
+
 def resume(
     output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None, accept_changed_data=False
 ) -> TrainResult:
@@ -471,7 +505,15 @@ def resume(
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise QLoraError(f"{output_dir} is not a folder with checkpoints")
-    use_instead = f"continue from it with `qlora resume {output_dir} --checkpoint {{checkpoint}}`"
+    options = [option for text in overrides for option in ("--set", text)]
+    given = ["--checkpoint", str(checkpoint)] if checkpoint else []
+    command = ["resume", str(output_dir), *given, *options]
+    accept = ["--accept-changed-data"] if accept_changed_data else []
+
+    def use_instead(found: Path) -> str:
+        again = ["resume", str(output_dir), "--checkpoint", str(found), *options, *accept]
+        return f"continue from it with {_suggest(again)}"
+
     checkpoint = Path(checkpoint) if checkpoint else usable_checkpoint(output_dir, use_instead)
     if checkpoint is None:
         raise QLoraError(f"{output_dir} has no complete checkpoint to resume from")
@@ -484,5 +526,12 @@ def resume(
     config = config_from_dict(raw)
     # Refused here, before output_dir is claimed; _train checks again and prints the notes.
     check_continues(saved, config, checkpoint)
+    _check_data_found(saved, config, checkpoint)
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
-    return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
+    return train(
+        config,
+        resume_from=checkpoint,
+        console=console,
+        accept_changed_data=accept_changed_data,
+        command=command,
+    )
