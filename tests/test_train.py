@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -479,6 +480,49 @@ def test_train_resuming_its_checkpoint_suggests_itself_with_accept_changed_data(
     code, _, err = run_cli(*command)
     assert code == 0, err
     assert read_trainer_state(tmp_path / "run" / "out" / "checkpoint-3")["step"] == 3
+
+
+def test_resume_refuses_a_key_that_changes_the_batch_plan_unless_accepted(tmp_path, run_cli):
+    """Each of these keys makes another batch plan, in which the checkpoint's step would continue among
+    other rows: refused in one line naming the key and both values, before the run's folder is touched;
+    the same value is no change, and accepted, a note says the remaining steps draw a new plan."""
+    result = _run(tmp_path, "run", max_steps=2)
+    out, checkpoint = result.output_dir, result.output_dir / "checkpoint-2"
+    files = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    for change, old, new in [
+        ("seed=7", "3", "7"),
+        ("sample_packing=true", "False", "True"),
+        ("micro_batch_size=4", "2", "4"),
+        ("val_set_size=0.2", "0.0", "0.2"),
+        ("sequence_len=64", "128", "64"),
+        ("gradient_accumulation_steps=2", "1", "2"),
+        ("datasets.0.split=train[:50%]", "'train'", "'train[:50%]'"),
+    ]:
+        key = change.split("=")[0]
+        line = error_line(run_cli("resume", out, "--set", change, "--set", "max_steps=3"))
+        again = shlex.join(
+            ["resume", str(out), "--set", change, "--set", "max_steps=3", "--accept-changed-data"]
+        )
+        assert line == (
+            f"error: cannot resume {checkpoint}: '{key}' changed from {old} to {new}, which changes the batch "
+            "plan the checkpoint's step 2 places the run in (at micro-batch 2 of epoch 0), so the remaining "
+            "steps would skip or repeat rows of this epoch; keep the checkpoint's value, or continue on the "
+            f"new batch plan with `qlora {again}`"
+        )
+    line = error_line(run_cli("resume", out, "--set", "seed=7", "--set", "micro_batch_size=4"))
+    assert "'seed' changed from 3 to 7, 'micro_batch_size' changed from 2 to 4, which" in line
+    assert "keep the checkpoint's values" in line
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == files
+    code, _, err = run_cli("resume", out, "--set", "seed=3", "--set", "max_steps=3")
+    assert code == 0 and "batch plan" not in err, err
+    line = error_line(run_cli("resume", out, "--set", "seed=7", "--set", "max_steps=4"))
+    code, _, err = run_cli(*suggested(line))
+    assert code == 0, err
+    assert (
+        "note: 'seed' changed from 3 to 7 (--accept-changed-data): the remaining steps, from step 4, draw a "
+        "new batch plan, from its micro-batch 3 of epoch 0, so rows of this epoch may be skipped or seen twice"
+    ) in " ".join(err.split())
+    assert read_checkpoint_config(out / "checkpoint-4").seed == 7
 
 
 def test_resume_chooses_a_given_checkpoint(tmp_path):

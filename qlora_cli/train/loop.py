@@ -28,6 +28,7 @@ from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
+from qlora_cli.data.examples import reads_local_files
 from qlora_cli.data.files import changed_files, moved_files
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
@@ -60,6 +61,29 @@ BREAKING_KEYS = (
     "peft_use_rslora",
     "train_norms",
 )
+
+# Keys that fix the batch plan a checkpoint's data cursor points into (qlora_cli/data/examples.py): which
+# examples there are, how they pack into rows and rows into micro-batches, their order, and how many
+# micro-batches a step reads. Under other values the checkpoint's step places the run among other rows.
+BATCH_PLAN_KEYS = (
+    "seed",
+    "sample_packing",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_len",
+    "val_set_size",
+    "dataset_exact_deduplication",
+    "excess_length_strategy",
+    "chat_template",
+    "chat_template_jinja",
+    "chat_template_kwargs",
+)
+# The keys of a datasets entry that say where its rows are rather than which: a local entry's files are
+# recorded by their bytes instead (_check_data_files), so that a file that moved is no change. A hub
+# entry's revision is the commit the checkpoint pinned, which a config naming a branch finds only once
+# it downloads, so it is not compared either.
+LOCAL_PLACE_KEYS = ("path", "data_files", "revision")
+HUB_PLACE_KEYS = ("revision",)
 
 # Wraps each optimizer step: a context manager opened with the run's device.
 StepObserver = Callable[[torch.device], AbstractContextManager]
@@ -194,7 +218,8 @@ def train(
     command: Sequence[str] = (),
 ) -> TrainResult:
     """Train LoRA adapters as the config says; with resume_from, continue that checkpoint (whose local
-    data files must read as they did, unless accept_changed_data).
+    data files must read as they did, and whose batch plan the config must keep, unless
+    accept_changed_data).
 
     `command`: the arguments of the `qlora` command that asked for this, which a refusal that
     --accept-changed-data lifts suggests again with it (by default `resume OUTPUT_DIR --checkpoint
@@ -216,24 +241,25 @@ def train(
     if resume_from is not None and not command:
         command = ("resume", str(output_dir), "--checkpoint", str(resume_from))
     trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
-    with (
-        StopSignals(console, output_dir) as signals,
-        distributed(select_device(config.device)) as dist,
-        owned_output_dir(
+    with StopSignals(console, output_dir) as signals, distributed(select_device(config.device)) as dist:
+        if resume_from is not None:
+            # Refused before output_dir is claimed and anything loads; _train notes an accepted change.
+            saved = read_checkpoint_config(resume_from)
+            check_batch_plan(saved, config, resume_from, accept_changed_data, command, dist)
+        with owned_output_dir(
             output_dir, resume_from=resume_from, overwrite=config.overwrite_output_dir, writer=dist.is_main
-        ) as ownership,
-    ):
-        if not dist.is_main:
-            console = signals.console = OutputConsole(quiet=True)
-        signals.resume_option = dist.resume_option
-        for folder in ownership.set_aside:
-            console.print(
-                f"[yellow]note:[/] a later continuation of this run is kept aside as {escape(str(folder))}"
-            )
-        result = _train(
-            config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started,
-            accept_changed_data, command,
-        )  # fmt: skip
+        ) as ownership:
+            if not dist.is_main:
+                console = signals.console = OutputConsole(quiet=True)
+            signals.resume_option = dist.resume_option
+            for folder in ownership.set_aside:
+                console.print(
+                    f"[yellow]note:[/] a later continuation of this run is kept aside as {escape(str(folder))}"
+                )
+            result = _train(
+                config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step,
+                started, accept_changed_data, command,
+            )  # fmt: skip
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
@@ -267,6 +293,63 @@ def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -
     return notes
 
 
+def batch_plan_changes(saved: TrainConfig, config: TrainConfig) -> list[str]:
+    """The keys whose new values change the batch plan of the checkpoint (config `saved`), each as
+    "'key' changed from OLD to NEW", dotted as --set names them (datasets.0.split)."""
+    changes = [
+        (key, getattr(saved, key), getattr(config, key))
+        for key in BATCH_PLAN_KEYS
+        # val_set_size holds rows out only where there are no test_datasets
+        if not (key == "val_set_size" and saved.test_datasets and config.test_datasets)
+    ]
+    changes.append(("number of datasets", len(saved.datasets), len(config.datasets)))
+    for index, (before, now) in enumerate(zip(saved.datasets, config.datasets, strict=False)):
+        place = LOCAL_PLACE_KEYS if reads_local_files(before) else HUB_PLACE_KEYS
+        changes += [
+            (f"datasets.{index}.{key.name}", getattr(before, key.name), getattr(now, key.name))
+            for key in dataclasses.fields(before)
+            if key.name not in place
+        ]
+    return [f"'{key}' changed from {old!r} to {new!r}" for key, old, new in changes if old != new]
+
+
+def check_batch_plan(
+    saved: TrainConfig,
+    config: TrainConfig,
+    checkpoint: Path,
+    accept: bool,
+    command: Sequence[str],
+    dist: Distributed,
+) -> None:
+    """A checkpoint continues on its own batch plan, unless accept: its step places the run in the data
+    by position, so another plan would skip or repeat rows of the epoch it is in."""
+    changes = batch_plan_changes(saved, config)
+    if not changes or accept:
+        return
+    state = read_trainer_state(checkpoint)
+    raise QLoraError(
+        f"cannot resume {checkpoint}: {', '.join(changes)}, which changes the batch plan the checkpoint's "
+        f"step {state['step']} places the run in (at micro-batch {state.get('batch_index', 0)} of epoch "
+        f"{state.get('epoch', 0)}), so the remaining steps would skip or repeat rows of this epoch; keep the "
+        f"checkpoint's {'value' if len(changes) == 1 else 'values'}, or continue on the new batch plan with "
+        f"{_suggest([*command, '--accept-changed-data'], dist)}"
+    )
+
+
+def _batch_plan_note(run: Run, saved: TrainConfig, step: int) -> list[str]:
+    """What an accepted change of the batch plan means for the steps left."""
+    changes = batch_plan_changes(saved, run.config)
+    if not changes:
+        return []
+    per_step = run.config.gradient_accumulation_steps * run.dist.world_size
+    epoch, batches = run.train_plan.step_micro_batches(step, per_step)
+    return [
+        f"{', '.join(changes)} (--accept-changed-data): the remaining steps, from step {step + 1}, draw a "
+        f"new batch plan, from its micro-batch {batches.start} of epoch {epoch}, so rows of this epoch may "
+        "be skipped or seen twice"
+    ]
+
+
 def _train(
     config: TrainConfig,
     dist: Distributed,
@@ -288,9 +371,10 @@ def _train(
     run.run_id = run_id
     config = run.config
     if resume_from is not None:
-        saved = read_checkpoint_config(resume_from)
+        saved, state = read_checkpoint_config(resume_from), read_trainer_state(resume_from)
         run.notes += check_continues(saved, config, resume_from)
-        change = schedule_change(saved, read_trainer_state(resume_from), config, run.total_steps)
+        run.notes += _batch_plan_note(run, saved, state["step"])
+        change = schedule_change(saved, state, config, run.total_steps)
         run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
@@ -501,7 +585,7 @@ def resume(
     output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None, accept_changed_data=False
 ) -> TrainResult:
     """Continue a run from its newest complete checkpoint (or the one given); accept_changed_data: even
-    when a local data file it read has changed since."""
+    when a local data file it read has changed since, or an override changes its batch plan."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise QLoraError(f"{output_dir} is not a folder with checkpoints")
