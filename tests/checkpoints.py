@@ -420,3 +420,15 @@ def suggested(line: str) -> list[str]:
     words = shlex.split(line.rsplit("`", 2)[-2])
     assert words[0] == "qlora", line
     return words[1:]
+
+
+def as_written_before_manifests(checkpoint: Path) -> None:
+    """Make a checkpoint look as qlora wrote them before manifests: no manifest.json, and a trainer state
+    that does not say it was written with one."""
+    import json
+
+    state_file = Path(checkpoint) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["manifest_written"]
+    state_file.write_text(json.dumps(state))
+    (Path(checkpoint) / "manifest.json").unlink()

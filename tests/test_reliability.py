@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from checkpoints import add_demo_tokenizer, subprocess_env, suggested, write_qwen3, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    as_written_before_manifests,
+    subprocess_env,
+    suggested,
+    write_qwen3,
+    write_run,
+)
 from safetensors.torch import load_file
 
 from qlora_cli.config.loading import load_config
@@ -414,7 +421,7 @@ def test_a_checkpoint_without_a_base_fingerprint_takes_the_new_folder_with_a_not
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     del state["base_weights"]
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    (checkpoint / "manifest.json").unlink()  # as checkpoints written before either
+    as_written_before_manifests(checkpoint)  # as checkpoints written before either
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "run" / "model", moved)
     code, _, err = run_cli("export", checkpoint, "--out", tmp_path / "adapter", "--base-model", moved)
@@ -525,10 +532,37 @@ def test_a_checkpoint_with_bytes_changed_inside_is_refused_naming_the_newest_int
     assert not (tmp_path / "x").exists()
 
 
+def test_a_checkpoint_that_lost_its_manifest_is_damaged(tmp_path, run_cli):
+    """A checkpoint whose trainer state says it was written with a manifest, and that has none, lost it:
+    with its adapter's bytes changed as well, resume and export refuse it naming the newest intact one,
+    and the final adapter stays as it was."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    final = (out / "adapter_model.safetensors").read_bytes()
+    (out / "checkpoint-4" / "manifest.json").unlink()
+    _change_a_byte_inside(out / "checkpoint-4" / "adapter_model.safetensors")
+    damaged = f"error: checkpoint {out / 'checkpoint-4'} is damaged: its manifest.json is missing"
+    line = error_line(run_cli("resume", out))
+    assert line.startswith(damaged), line
+    assert line.endswith(f"continue from it with `qlora resume {out} --checkpoint {out / 'checkpoint-2'}`")
+    assert (out / "adapter_model.safetensors").read_bytes() == final
+    line = error_line(run_cli("export", out, "--out", tmp_path / "x"))
+    assert line.startswith(damaged) and f"qlora export {out / 'checkpoint-2'}" in line
+    for command in [
+        ("resume", out, "--checkpoint", out / "checkpoint-4"),
+        ("export", out / "checkpoint-4", "--out", tmp_path / "x"),
+    ]:
+        line = error_line(run_cli(*command))
+        assert line.startswith(damaged), command
+        assert line.endswith(f"the newest intact checkpoint of this run is {out / 'checkpoint-2'}"), command
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
     config, model, optimizer = _tiny_model(tmp_path)
     folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, {"step": 2, "run_id": "old"}, config)
-    (folder / "manifest.json").unlink()
+    as_written_before_manifests(folder)
     assert checkpoint_problem(folder) is None
     assert checkpoint_module.load_checkpoint(folder, model, optimizer)["step"] == 2
     assert read_checkpoint_config(folder).lora_r == config.lora_r

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import subprocess_env, suggested, write_run
+from checkpoints import as_written_before_manifests, subprocess_env, suggested, write_run
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
@@ -540,7 +540,7 @@ def test_resume_reads_an_older_checkpoint_that_holds_rng_state(tmp_path):
     assert "rng" not in state
     state["rng"] = [{"cpu": [0] * 8}]
     state_file.write_text(json.dumps(state))
-    (state_file.parent / "manifest.json").unlink()  # those checkpoints had no manifest either
+    as_written_before_manifests(state_file.parent)  # those checkpoints had no manifest either
     assert resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2").step == 4
 
 
