@@ -189,6 +189,61 @@ def test_a_second_process_cannot_train_into_a_folder_in_use(tmp_path):
     assert not list(out.glob("checkpoint-*"))
 
 
+def _files(folder: Path) -> dict[Path, bytes]:
+    """Every file under folder, by its path inside it, with its bytes."""
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def test_an_export_is_refused_where_the_run_prunes_replaces_or_sets_aside(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    before = _files(out)
+    for target, where in [
+        (out / "checkpoint-2" / "exp", f"is inside {out / 'checkpoint-2'}, one of"),
+        (out / "checkpoint-99", "is named like"),
+        (out / "superseded-checkpoint-4" / "exp", f"is inside {out / 'superseded-checkpoint-4'}, one of"),
+    ]:
+        assert error_line(run_cli("export", out, "--out", target)) == (
+            f"error: --out {target} {where} the checkpoint folders of the run in {out}, which the run prunes, "
+            "replaces and sets aside; choose a folder outside them"
+        )
+    assert _files(out) == before
+    assert run_cli("export", out, "--out", out / "exports" / "checkpoint-2")[0] == 0
+
+
+def test_pruning_and_overwrite_never_delete_what_the_run_did_not_write(tmp_path, run_cli):
+    """An export put inside a checkpoint (before export refused that) outlives its pruning, which takes
+    only the checkpoint's own files; --overwrite refuses a folder named like a checkpoint that is none,
+    or a checkpoint holding other files, naming it, and deletes nothing."""
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2, save_total_limit=1)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    exported = tmp_path / "adapter"
+    assert run_cli("export", out, "--out", exported)[0] == 0
+    shutil.copytree(exported, out / "checkpoint-2" / "exp")
+    assert run_cli("resume", out, "--set", "max_steps=4")[0] == 0
+    assert latest_checkpoint(out) == out / "checkpoint-4"
+    assert [path.name for path in (out / "checkpoint-2").iterdir()] == ["exp"]
+    assert _files(out / "checkpoint-2" / "exp") == _files(exported)
+    shutil.copytree(exported, out / "checkpoint-99")
+    (out / "checkpoint-4" / "notes.txt").write_text("mine")
+    before = _files(out)
+    refused = f"error: output_dir {out}: --overwrite deletes only what a run wrote, and "
+    move = "; move it out of output_dir first, or choose another output_dir"
+    for folder, why in [
+        ("checkpoint-2", "is no checkpoint (it has no trainer_state.json)"),
+        ("checkpoint-4", "holds notes.txt, which no checkpoint writes"),
+        ("checkpoint-99", "is no checkpoint (it has no trainer_state.json)"),
+    ]:
+        assert error_line(run_cli("train", config, "--overwrite")) == f"{refused}{folder} {why}{move}"
+        assert _files(out) == before
+        shutil.move(out / folder, tmp_path / folder)
+        before = _files(out)
+    assert run_cli("train", config, "--overwrite")[0] == 0
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
 # ----- preflight: before any weights load -----
 
 

@@ -29,6 +29,7 @@ from qlora_cli.rundir.manifest import MANIFEST_WRITTEN, has_manifest, manifest_p
 from qlora_cli.rundir.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    CHECKPOINT_FILES,
     CHECKPOINT_NAME,
     CONFIG_FILE,
     DISCARD_PREFIX,
@@ -110,6 +111,23 @@ def discard(folder: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def foreign_files(folder: Path) -> list[str]:
+    """What a checkpoint folder holds that no checkpoint writes (an export put inside it, a user's notes)."""
+    return sorted(entry.name for entry in Path(folder).iterdir() if entry.name not in CHECKPOINT_FILES)
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Remove a checkpoint folder, never what qlora did not write there. One that also holds other files
+    keeps them and loses only the checkpoint's own, its trainer state first, so that it is no checkpoint
+    from then on; without trainer state it is no checkpoint at all (an export named like one), and stays."""
+    folder = Path(folder)
+    if not foreign_files(folder):
+        discard(folder)
+    elif (folder / STATE_FILE).is_file():
+        for name in (STATE_FILE, *CHECKPOINT_FILES):
+            (folder / name).unlink(missing_ok=True)
+
+
 def write_adapter(folder: Path, model, config: TrainConfig) -> None:
     save_tensors(adapter_state_dict(model), folder / ADAPTER_WEIGHTS)
     write_json(folder / ADAPTER_CONFIG, adapter_config(model, config))
@@ -145,7 +163,7 @@ def save_checkpoint(
         write_manifest(temp)
         fsync_tree(temp)
         if final.exists():
-            discard(final)
+            remove_checkpoint(final)
         temp.rename(final)
         fsync_dir(output_dir)
     except OSError as err:
@@ -156,7 +174,7 @@ def save_checkpoint(
         shutil.rmtree(temp, ignore_errors=True)
     if config.save_total_limit:
         for _, old in run_checkpoints(output_dir, trainer_state.get("run_id"))[: -config.save_total_limit]:
-            discard(old)
+            remove_checkpoint(old)
     return final
 
 

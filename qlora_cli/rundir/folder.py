@@ -26,9 +26,11 @@ from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     checkpoint_run,
+    foreign_files,
     list_checkpoints,
     read_trainer_state,
     readable_checkpoints,
+    remove_checkpoint,
     run_checkpoints,
 )
 from qlora_cli.rundir.names import (
@@ -38,6 +40,7 @@ from qlora_cli.rundir.names import (
     LOCK_FILE,
     RUN_FILE,
     RUN_FILES,
+    STATE_FILE,
     SUPERSEDED_PREFIX,
     TEMP_PREFIX,
     WRITE_PROBE_PREFIX,
@@ -126,6 +129,26 @@ def check_new_run(output_dir: Path, overwrite: bool) -> None:
             f"`qlora resume {output_dir}`, choose a new output_dir, or add --overwrite "
             "(overwrite_output_dir: true) to delete them first"
         )
+    for entry in found if overwrite else ():
+        if entry.is_dir() and (why := _not_a_run_folder(entry)):
+            raise QLoraError(
+                f"output_dir {output_dir}: --overwrite deletes only what a run wrote, and {entry.name} {why}; "
+                "move it out of output_dir first, or choose another output_dir"
+            )
+
+
+def _not_a_run_folder(folder: Path) -> str | None:
+    """Why a folder named like a checkpoint holds what no run wrote, or None when it holds a checkpoint only."""
+    if not (folder / STATE_FILE).is_file():
+        return f"is no checkpoint (it has no {STATE_FILE})"
+    if foreign := foreign_files(folder):
+        return f"holds {', '.join(foreign)}, which no checkpoint writes"
+    return None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether a folder is a run's output_dir: it holds the run's file or checkpoints."""
+    return (Path(folder) / RUN_FILE).is_file() or bool(list_checkpoints(folder))
 
 
 def _holds_a_run(output_dir: Path, found: list[Path]) -> bool:
@@ -134,11 +157,15 @@ def _holds_a_run(output_dir: Path, found: list[Path]) -> bool:
 
 
 def remove_run_files(output_dir: Path) -> None:
-    """Every file and folder a run writes in output_dir; anything else there is left alone."""
-    prefixes = (TEMP_PREFIX, DISCARD_PREFIX, SUPERSEDED_PREFIX)
+    """Every file and folder a run writes in output_dir; anything else there is left alone, in its
+    checkpoint folders too (remove_checkpoint)."""
     for entry in Path(output_dir).iterdir():
-        if entry.is_dir() and (CHECKPOINT_NAME.match(entry.name) or entry.name.startswith(prefixes)):
+        if entry.is_dir() and entry.name.startswith((TEMP_PREFIX, DISCARD_PREFIX)):
             shutil.rmtree(entry)
+        elif entry.is_dir() and (
+            CHECKPOINT_NAME.match(entry.name) or entry.name.startswith(SUPERSEDED_PREFIX)
+        ):
+            remove_checkpoint(entry)
         elif entry.name in RUN_FILES:
             entry.unlink()
 
