@@ -48,9 +48,9 @@ AcceptChangedDataOption = Annotated[
     bool,
     typer.Option(
         "--accept-changed-data",
-        help="Resume even though the data changed since the checkpoint (a local data file, or a key that "
-        "fixes the batch plan, such as seed or micro_batch_size); the run continues at the checkpoint's "
-        "step in the changed data.",
+        help="Resume a checkpoint (with train: resume_from_checkpoint or auto_resume_from_checkpoints) even "
+        "though its data changed (a local data file, or a key that fixes the batch plan, such as seed or "
+        "micro_batch_size); the run continues at the checkpoint's step in the changed data.",
     ),
 ]
 NprocOption = Annotated[
