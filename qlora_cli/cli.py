@@ -44,6 +44,15 @@ BaseModelOption = Annotated[
         show_default=False,
     ),
 ]
+AcceptChangedDataOption = Annotated[
+    bool,
+    typer.Option(
+        "--accept-changed-data",
+        help="Resume a checkpoint (with train: resume_from_checkpoint or auto_resume_from_checkpoints) even "
+        "though its data changed (a local data file, or a key that fixes the batch plan, such as seed or "
+        "micro_batch_size); the run continues at the checkpoint's step in the changed data.",
+    ),
+]
 NprocOption = Annotated[
     int,
     typer.Option(
@@ -90,6 +99,7 @@ def train(
             "(like overwrite_output_dir: true); without it, training into such a folder is refused.",
         ),
     ] = False,
+    accept_changed_data: AcceptChangedDataOption = False,
 ) -> None:
     """Train LoRA adapters on an NF4-quantized base model, as CONFIG says."""
     set_ = [*(set_ or ()), *(["overwrite_output_dir=true"] if overwrite else [])]
@@ -98,7 +108,7 @@ def train(
     if nproc > 1:
         from qlora_cli.train.distributed import launch_train
 
-        raise typer.Exit(launch_train(nproc, config, set_ or ()))
+        raise typer.Exit(launch_train(nproc, config, set_ or (), accept_changed_data))
     from qlora_cli.config.loading import load_config
 
     if profile:
@@ -110,7 +120,12 @@ def train(
     else:
         from qlora_cli.train.loop import train as run_training
 
-        result = run_training(load_config(config, set_ or ()), console=console)
+        result = run_training(
+            load_config(config, set_),
+            console=console,
+            accept_changed_data=accept_changed_data,
+            command=["train", str(config), *(option for text in set_ for option in ("--set", text))],
+        )
     _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
 
 
@@ -153,13 +168,7 @@ def resume(
     ] = None,
     set_: SetOption = None,
     nproc: NprocOption = 1,
-    accept_changed_data: Annotated[
-        bool,
-        typer.Option(
-            help="Continue even though a local data file changed since the checkpoint; the run continues "
-            "at the checkpoint's place in the changed data."
-        ),
-    ] = False,
+    accept_changed_data: AcceptChangedDataOption = False,
     base_model: BaseModelOption = None,
 ) -> None:
     """Continue an interrupted run exactly where its last checkpoint left it."""

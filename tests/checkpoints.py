@@ -4,6 +4,7 @@ transformers itself, with tokenizers of their kind, for tests to load."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -412,3 +413,22 @@ def draw_lora_b(model, seed: int = 1, std: float = 0.02) -> None:
             for b in group.lora_B.values():
                 with torch.no_grad():
                     b.normal_(0, std, generator=generator)
+
+
+def suggested(line: str) -> list[str]:
+    """The arguments of the `qlora` command a message suggests last, to run it as it is written."""
+    words = shlex.split(line.rsplit("`", 2)[-2])
+    assert words[0] == "qlora", line
+    return words[1:]
+
+
+def as_written_before_manifests(checkpoint: Path) -> None:
+    """Make a checkpoint look as qlora wrote them before manifests: no manifest.json, and a trainer state
+    that does not say it was written with one."""
+    import json
+
+    state_file = Path(checkpoint) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["manifest_written"]
+    state_file.write_text(json.dumps(state))
+    (Path(checkpoint) / "manifest.json").unlink()

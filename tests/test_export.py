@@ -8,6 +8,7 @@ import pytest
 import torch
 from checkpoints import (
     add_demo_tokenizer,
+    as_written_before_manifests,
     load_transformers,
     write_llama,
     write_mistral,
@@ -406,9 +407,7 @@ def test_cli_refuses_adapter_tensors_that_do_not_fit_the_base(tmp_path, run_cli)
     name = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
     tensors[name] = tensors[name][:, :50].clone()
     save_file(tensors, path)
-    (
-        path.parent / "manifest.json"
-    ).unlink()  # as a checkpoint without one: its manifest would refuse it first
+    as_written_before_manifests(path.parent)  # a manifest would refuse the checkpoint first
     line = error_line(run_cli("export", output_dir, "--out", tmp_path / "o", "--merged"))
     assert f"{name} has shape [4, 50], the model needs [4, 96]" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from checkpoints import add_demo_tokenizer, subprocess_env, write_qwen3, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    as_written_before_manifests,
+    subprocess_env,
+    suggested,
+    write_qwen3,
+    write_run,
+)
 from safetensors.torch import load_file
 
 from qlora_cli.config.loading import load_config
@@ -180,6 +187,61 @@ def test_a_second_process_cannot_train_into_a_folder_in_use(tmp_path):
     line = _one_line(proc, 2)
     assert "is in use by another qlora process" in line and str(os.getpid()) in line
     assert not list(out.glob("checkpoint-*"))
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    """Every file under folder, by its path inside it, with its bytes."""
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def test_an_export_is_refused_where_the_run_prunes_replaces_or_sets_aside(tmp_path, run_cli):
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    before = _files(out)
+    for target, where in [
+        (out / "checkpoint-2" / "exp", f"is inside {out / 'checkpoint-2'}, one of"),
+        (out / "checkpoint-99", "is named like"),
+        (out / "superseded-checkpoint-4" / "exp", f"is inside {out / 'superseded-checkpoint-4'}, one of"),
+    ]:
+        assert error_line(run_cli("export", out, "--out", target)) == (
+            f"error: --out {target} {where} the checkpoint folders of the run in {out}, which the run prunes, "
+            "replaces and sets aside; choose a folder outside them"
+        )
+    assert _files(out) == before
+    assert run_cli("export", out, "--out", out / "exports" / "checkpoint-2")[0] == 0
+
+
+def test_pruning_and_overwrite_never_delete_what_the_run_did_not_write(tmp_path, run_cli):
+    """An export put inside a checkpoint (before export refused that) outlives its pruning, which takes
+    only the checkpoint's own files; --overwrite refuses a folder named like a checkpoint that is none,
+    or a checkpoint holding other files, naming it, and deletes nothing."""
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=2, save_total_limit=1)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    exported = tmp_path / "adapter"
+    assert run_cli("export", out, "--out", exported)[0] == 0
+    shutil.copytree(exported, out / "checkpoint-2" / "exp")
+    assert run_cli("resume", out, "--set", "max_steps=4")[0] == 0
+    assert latest_checkpoint(out) == out / "checkpoint-4"
+    assert [path.name for path in (out / "checkpoint-2").iterdir()] == ["exp"]
+    assert _files(out / "checkpoint-2" / "exp") == _files(exported)
+    shutil.copytree(exported, out / "checkpoint-99")
+    (out / "checkpoint-4" / "notes.txt").write_text("mine")
+    before = _files(out)
+    refused = f"error: output_dir {out}: --overwrite deletes only what a run wrote, and "
+    move = "; move it out of output_dir first, or choose another output_dir"
+    for folder, why in [
+        ("checkpoint-2", "is no checkpoint (it has no trainer_state.json)"),
+        ("checkpoint-4", "holds notes.txt, which no checkpoint writes"),
+        ("checkpoint-99", "is no checkpoint (it has no trainer_state.json)"),
+    ]:
+        assert error_line(run_cli("train", config, "--overwrite")) == f"{refused}{folder} {why}{move}"
+        assert _files(out) == before
+        shutil.move(out / folder, tmp_path / folder)
+        before = _files(out)
+    assert run_cli("train", config, "--overwrite")[0] == 0
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
 # ----- preflight: before any weights load -----
@@ -414,7 +476,7 @@ def test_a_checkpoint_without_a_base_fingerprint_takes_the_new_folder_with_a_not
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     del state["base_weights"]
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    (checkpoint / "manifest.json").unlink()  # as checkpoints written before either
+    as_written_before_manifests(checkpoint)  # as checkpoints written before either
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "run" / "model", moved)
     code, _, err = run_cli("export", checkpoint, "--out", tmp_path / "adapter", "--base-model", moved)
@@ -456,11 +518,11 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
     adapter.write_bytes(adapter.read_bytes()[:100])
     line = error_line(run_cli("resume", out, "--set", "max_steps=6"))
     assert str(out / "checkpoint-4") in line and "corrupt" in line
-    assert f"qlora resume {out} --checkpoint {out / 'checkpoint-2'}" in line
+    assert line.endswith(f"`qlora resume {out} --checkpoint {out / 'checkpoint-2'} --set max_steps=6`")
     assert f"qlora export {out / 'checkpoint-2'}" in error_line(
         run_cli("export", out, "--out", tmp_path / "x")
     )
-    code, _, err = run_cli("resume", out, "--checkpoint", out / "checkpoint-2", "--set", "max_steps=6")
+    code, _, err = run_cli(*suggested(line))
     assert code == 0, err
     assert checkpoint_problem(out / "checkpoint-4") is None
     assert (out / "superseded-checkpoint-4" / "adapter_model.safetensors").stat().st_size == 100
@@ -525,10 +587,37 @@ def test_a_checkpoint_with_bytes_changed_inside_is_refused_naming_the_newest_int
     assert not (tmp_path / "x").exists()
 
 
+def test_a_checkpoint_that_lost_its_manifest_is_damaged(tmp_path, run_cli):
+    """A checkpoint whose trainer state says it was written with a manifest, and that has none, lost it:
+    with its adapter's bytes changed as well, resume and export refuse it naming the newest intact one,
+    and the final adapter stays as it was."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    final = (out / "adapter_model.safetensors").read_bytes()
+    (out / "checkpoint-4" / "manifest.json").unlink()
+    _change_a_byte_inside(out / "checkpoint-4" / "adapter_model.safetensors")
+    damaged = f"error: checkpoint {out / 'checkpoint-4'} is damaged: its manifest.json is missing"
+    line = error_line(run_cli("resume", out))
+    assert line.startswith(damaged), line
+    assert line.endswith(f"continue from it with `qlora resume {out} --checkpoint {out / 'checkpoint-2'}`")
+    assert (out / "adapter_model.safetensors").read_bytes() == final
+    line = error_line(run_cli("export", out, "--out", tmp_path / "x"))
+    assert line.startswith(damaged) and f"qlora export {out / 'checkpoint-2'}" in line
+    for command in [
+        ("resume", out, "--checkpoint", out / "checkpoint-4"),
+        ("export", out / "checkpoint-4", "--out", tmp_path / "x"),
+    ]:
+        line = error_line(run_cli(*command))
+        assert line.startswith(damaged), command
+        assert line.endswith(f"the newest intact checkpoint of this run is {out / 'checkpoint-2'}"), command
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
     config, model, optimizer = _tiny_model(tmp_path)
     folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, {"step": 2, "run_id": "old"}, config)
-    (folder / "manifest.json").unlink()
+    as_written_before_manifests(folder)
     assert checkpoint_problem(folder) is None
     assert checkpoint_module.load_checkpoint(folder, model, optimizer)["step"] == 2
     assert read_checkpoint_config(folder).lora_r == config.lora_r

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import subprocess_env, write_run
+from checkpoints import as_written_before_manifests, subprocess_env, suggested, write_run
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
-from qlora_cli.rundir.checkpoint import read_checkpoint_config
+from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
@@ -372,20 +373,156 @@ def test_resume_refuses_a_changed_data_file_unless_accepted(tmp_path, run_cli):
     assert code == 0, err
     rows = data.read_text().splitlines(keepends=True)
     data.write_text("".join([rows[1], rows[0], *rows[2:]]))  # the same size, other bytes
-    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4")
-    assert code == 2
-    assert [line for line in err.splitlines() if line.strip()] == [
+    line = error_line(run_cli("resume", result.output_dir, "--set", "max_steps=4"))
+    assert line == (
         f"error: cannot resume {result.output_dir / 'checkpoint-3'}: {data} changed since the checkpoint was "
         "written; step 3 continues at micro-batch 3 of epoch 0 of the changed data, so rows of this epoch "
         f"may be skipped or seen twice; continue anyway with `qlora resume {result.output_dir} "
-        "--accept-changed-data`"
-    ]
-    code, _, err = run_cli("resume", result.output_dir, "--set", "max_steps=4", "--accept-changed-data")
+        "--set max_steps=4 --accept-changed-data`"
+    )
+    code, _, err = run_cli(*suggested(line))
     assert code == 0, err
+    assert read_trainer_state(result.output_dir / "checkpoint-4")["step"] == 4
     assert (
         f"note: {data} changed since {result.output_dir / 'checkpoint-3'} (--accept-changed-data)"
         in " ".join(err.split())
     )
+
+
+def error_line(result) -> str:
+    """The one line a refused command prints, checked to be all it printed, with exit code 2."""
+    code, _, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_resume_follows_a_data_file_that_moved_with_the_same_bytes(tmp_path, run_cli, monkeypatch):
+    """The same bytes at a new path are the same rows: resume reads them there with a note that the file
+    moved, and later checkpoints name the new path. Other bytes there are refused, and the command the
+    refusal suggests runs as written."""
+    result = _run(tmp_path, "run", max_steps=2)
+    out = result.output_dir
+    data = (tmp_path / "run" / "train.jsonl").resolve()
+    moved = data.with_name("moved.jsonl")
+    data.rename(moved)
+    monkeypatch.chdir(data.parent)
+    code, _, err = run_cli("resume", out, "--set", "datasets.0.path=moved.jsonl", "--set", "max_steps=3")
+    assert code == 0, err
+    assert (
+        f"note: data file {data} moved to {moved} since {out / 'checkpoint-2'}: the same bytes, so the same rows"
+        in " ".join(err.split())
+    )
+    assert "--accept-changed-data" not in err
+    assert read_checkpoint_config(out / "checkpoint-3").datasets[0].path == str(moved)
+    rows = moved.read_text().splitlines(keepends=True)
+    other = data.with_name("other.jsonl")
+    other.write_text("".join([rows[1], rows[0], *rows[2:]]))
+    line = error_line(run_cli("resume", out, "--set", "datasets.0.path=other.jsonl", "--set", "max_steps=4"))
+    assert line.startswith(
+        f"error: cannot resume {out / 'checkpoint-3'}: {moved} is no longer read (and 1 other file) since the "
+        "checkpoint was written;"
+    )
+    command = suggested(line)
+    assert command == [
+        *("resume", str(out), "--set", "datasets.0.path=other.jsonl", "--set", "max_steps=4"),
+        "--accept-changed-data",
+    ]
+    code, _, err = run_cli(*command)
+    assert code == 0, err
+    assert read_checkpoint_config(out / "checkpoint-4").datasets[0].path == str(other)
+
+
+def test_resume_refuses_a_file_added_to_or_removed_from_a_dataset_folder(tmp_path, run_cli):
+    """A dataset folder reads every data file in it: one added since the checkpoint, or one gone, moves the
+    rows under the data cursor as much as a file changed in place, and is named as added or gone."""
+    folder = (tmp_path / "run" / "data").resolve()
+    path = write_run(tmp_path / "run", max_steps=2, datasets=[{"path": str(folder), "type": "chat_template"}])
+    rows = (tmp_path / "run" / "train.jsonl").read_text().splitlines(keepends=True)
+    folder.mkdir()
+    (folder / "first.jsonl").write_text("".join(rows[:24]))
+    (folder / "second.jsonl").write_text("".join(rows[24:40]))
+    assert run_cli("train", path)[0] == 0
+    out = tmp_path / "run" / "out"
+    refused = f"error: cannot resume {out / 'checkpoint-2'}: "
+    (folder / "third.jsonl").write_text("".join(rows[40:]))
+    line = error_line(run_cli("resume", out, "--set", "max_steps=3"))
+    assert line.startswith(f"{refused}{folder / 'third.jsonl'} was added since the checkpoint was written;")
+    (folder / "third.jsonl").unlink()
+    (folder / "second.jsonl").unlink()
+    line = error_line(run_cli("resume", out, "--set", "max_steps=3"))
+    assert line.startswith(
+        f"{refused}{folder / 'second.jsonl'} is no longer read since the checkpoint was written;"
+    )
+
+
+def test_a_dataset_that_moved_is_asked_for_by_its_key(tmp_path, run_cli):
+    result = _run(tmp_path, "run", max_steps=2)
+    data = (tmp_path / "run" / "train.jsonl").resolve()
+    data.rename(data.with_name("moved.jsonl"))
+    assert error_line(run_cli("resume", result.output_dir)) == (
+        f"error: cannot resume {result.output_dir / 'checkpoint-2'}: its dataset datasets.0, {data}, does not "
+        "exist; if it moved, give its new place with --set datasets.0.path=NEW_PATH"
+    )
+
+
+def test_train_resuming_its_checkpoint_suggests_itself_with_accept_changed_data(tmp_path, run_cli):
+    """`qlora train` with auto_resume_from_checkpoints continues under its own config: the command it
+    suggests for changed data is itself, and runs."""
+    path = write_run(tmp_path / "run", max_steps=2, auto_resume_from_checkpoints=True)
+    assert run_cli("train", path)[0] == 0
+    data = tmp_path / "run" / "train.jsonl"
+    rows = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([rows[1], rows[0], *rows[2:]]))
+    line = error_line(run_cli("train", path, "--set", "max_steps=3"))
+    command = suggested(line)
+    assert command == ["train", str(path), "--set", "max_steps=3", "--accept-changed-data"]
+    code, _, err = run_cli(*command)
+    assert code == 0, err
+    assert read_trainer_state(tmp_path / "run" / "out" / "checkpoint-3")["step"] == 3
+
+
+def test_resume_refuses_a_key_that_changes_the_batch_plan_unless_accepted(tmp_path, run_cli):
+    """Each of these keys makes another batch plan, in which the checkpoint's step would continue among
+    other rows: refused in one line naming the key and both values, before the run's folder is touched;
+    the same value is no change, and accepted, a note says the remaining steps draw a new plan."""
+    result = _run(tmp_path, "run", max_steps=2)
+    out, checkpoint = result.output_dir, result.output_dir / "checkpoint-2"
+    files = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    for change, old, new in [
+        ("seed=7", "3", "7"),
+        ("sample_packing=true", "False", "True"),
+        ("micro_batch_size=4", "2", "4"),
+        ("val_set_size=0.2", "0.0", "0.2"),
+        ("sequence_len=64", "128", "64"),
+        ("gradient_accumulation_steps=2", "1", "2"),
+        ("datasets.0.split=train[:50%]", "'train'", "'train[:50%]'"),
+    ]:
+        key = change.split("=")[0]
+        line = error_line(run_cli("resume", out, "--set", change, "--set", "max_steps=3"))
+        again = shlex.join(
+            ["resume", str(out), "--set", change, "--set", "max_steps=3", "--accept-changed-data"]
+        )
+        assert line == (
+            f"error: cannot resume {checkpoint}: '{key}' changed from {old} to {new}, which changes the batch "
+            "plan the checkpoint's step 2 places the run in (at micro-batch 2 of epoch 0), so the remaining "
+            "steps would skip or repeat rows of this epoch; keep the checkpoint's value, or continue on the "
+            f"new batch plan with `qlora {again}`"
+        )
+    line = error_line(run_cli("resume", out, "--set", "seed=7", "--set", "micro_batch_size=4"))
+    assert "'seed' changed from 3 to 7, 'micro_batch_size' changed from 2 to 4, which" in line
+    assert "keep the checkpoint's values" in line
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == files
+    code, _, err = run_cli("resume", out, "--set", "seed=3", "--set", "max_steps=3")
+    assert code == 0 and "batch plan" not in err, err
+    line = error_line(run_cli("resume", out, "--set", "seed=7", "--set", "max_steps=4"))
+    code, _, err = run_cli(*suggested(line))
+    assert code == 0, err
+    assert (
+        "note: 'seed' changed from 3 to 7 (--accept-changed-data): the remaining steps, from step 4, draw a "
+        "new batch plan, from its micro-batch 3 of epoch 0, so rows of this epoch may be skipped or seen twice"
+    ) in " ".join(err.split())
+    assert read_checkpoint_config(out / "checkpoint-4").seed == 7
 
 
 def test_resume_chooses_a_given_checkpoint(tmp_path):
@@ -403,7 +540,7 @@ def test_resume_reads_an_older_checkpoint_that_holds_rng_state(tmp_path):
     assert "rng" not in state
     state["rng"] = [{"cpu": [0] * 8}]
     state_file.write_text(json.dumps(state))
-    (state_file.parent / "manifest.json").unlink()  # those checkpoints had no manifest either
+    as_written_before_manifests(state_file.parent)  # those checkpoints had no manifest either
     assert resume(result.output_dir, checkpoint=result.output_dir / "checkpoint-2").step == 4
 
 

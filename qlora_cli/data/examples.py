@@ -208,6 +208,16 @@ def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> s
     return ", ".join(parts)
 
 
+# `path: json` (or parquet, csv, arrow) with data_files: the `datasets` idiom for local files.
+LOADERS = ("json", "parquet", "csv", "arrow")
+
+
+def reads_local_files(dataset: DatasetConfig) -> bool:
+    """Whether a datasets entry, as a checkpoint saves it (local paths absolute), reads local files, which
+    the checkpoint records by their bytes (local_files), rather than a hub repo, pinned by its commit."""
+    return Path(dataset.path).is_absolute() or (dataset.path in LOADERS and dataset.data_files is not None)
+
+
 def local_dataset(dataset):
     """The dataset entry with a hub dataset repo id replaced by the folder it downloads to (only the
     asked split's files, when the files name splits).
@@ -215,7 +225,7 @@ def local_dataset(dataset):
     `path: json` (or parquet, csv, arrow) with data_files is the `datasets` idiom for local files:
     data_files are then relative to the working directory.
     """
-    if dataset.path in ("json", "parquet", "csv", "arrow") and dataset.data_files is not None:
+    if dataset.path in LOADERS and dataset.data_files is not None:
         return dataclasses.replace(dataset, path=".", ds_type=dataset.ds_type or dataset.path)
     if Path(dataset.path).exists():
         return dataset

@@ -328,8 +328,34 @@ def fingerprint(file: Path) -> dict:
     return {"path": str(Path(file).resolve()), "size": Path(file).stat().st_size, "sha256": sha256_file(file)}
 
 
+def moved_files(recorded: list[dict], current: list[dict]) -> list[tuple[str, str]] | None:
+    """When the files read now hold the recorded bytes in the recorded order, those found at another path,
+    as (then, now): wherever they are, they are the same rows in the same order. None when they differ."""
+    if [(e["size"], e["sha256"]) for e in recorded] != [(e["size"], e["sha256"]) for e in current]:
+        return None
+    return [
+        (then["path"], now["path"])
+        for then, now in zip(recorded, current, strict=True)
+        if then["path"] != now["path"]
+    ]
+
+
 def changed_files(recorded: list[dict], current: list[dict]) -> list[str]:
-    """The files whose recorded fingerprint the current ones do not match: changed, gone or new."""
+    """How the files read now differ from the recorded ones, each as '<path> changed', '<path> was added'
+    or '<path> is no longer read': a file added to a dataset's folder or its data_files counts as much
+    as one changed in place, and so does the same files' reading order."""
     before = {entry["path"]: entry for entry in recorded}
     now = {entry["path"]: entry for entry in current}
-    return sorted(path for path in before.keys() | now.keys() if before.get(path) != now.get(path))
+    changed = []
+    for path in sorted(before.keys() | now.keys()):
+        if path not in now:
+            changed.append(f"{path} is no longer read")
+        elif path not in before:
+            changed.append(f"{path} was added")
+        elif before[path] != now[path]:
+            changed.append(f"{path} changed")
+    if not changed and recorded != current:
+        changed.append(
+            f"the order the data files are read in ({', '.join(e['path'] for e in current)}) changed"
+        )
+    return changed

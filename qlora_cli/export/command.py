@@ -35,8 +35,8 @@ from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
 from qlora_cli.rundir.base import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
-from qlora_cli.rundir.folder import usable_checkpoint
-from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE
+from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
+from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE, names_a_checkpoint_folder
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import (
@@ -99,7 +99,7 @@ def find_checkpoint(path: Path) -> Path:
     if (path / STATE_FILE).is_file():
         return path
     found = (
-        usable_checkpoint(path, "export it with `qlora export {checkpoint} --out …`")
+        usable_checkpoint(path, lambda found: f"export it with `qlora export {found} --out …`")
         if path.is_dir()
         else None
     )
@@ -396,6 +396,19 @@ def _check_out(out: Path, force: bool, keep: list[Path]) -> None:
             )
 
 
+def _check_place(out: Path) -> None:
+    """--out is no folder that a run prunes, replaces or sets aside: not a checkpoint folder of a run, nor
+    inside one, nor named like one in a run's output_dir."""
+    resolved = out.resolve()
+    for folder in (resolved, *resolved.parents):
+        if names_a_checkpoint_folder(folder.name) and is_run_folder(folder.parent):
+            where = "is named like" if folder == resolved else f"is inside {folder}, one of"
+            raise QLoraError(
+                f"--out {out} {where} the checkpoint folders of the run in {folder.parent}, which the run "
+                "prunes, replaces and sets aside; choose a folder outside them"
+            )
+
+
 def _check_options(
     merged: bool,
     gguf: bool,
@@ -459,6 +472,7 @@ def export(
             "--base nf4 would merge onto weights it never saw, use --base original"
         )
     out = Path(out)
+    _check_place(out)
     _check_out(out, force, [checkpoint, Path.cwd()])
     try:
         base_folder = resolve_model(config.base_model, config.revision)

@@ -89,7 +89,7 @@ def find_source(
 
 
 def _checkpoint_of(output_dir: Path) -> Path | None:
-    return usable_checkpoint(output_dir, "generate with it: `qlora generate {checkpoint} …`")
+    return usable_checkpoint(output_dir, lambda found: f"generate with it: `qlora generate {found} …`")
 
 
 def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:

@@ -25,13 +25,15 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, fsync_dir, fsync_tree, save_tensors, write_json
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.rundir.manifest import has_manifest, manifest_problem, write_manifest
+from qlora_cli.rundir.manifest import MANIFEST_WRITTEN, has_manifest, manifest_problem, write_manifest
 from qlora_cli.rundir.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    CHECKPOINT_FILES,
     CHECKPOINT_NAME,
     CONFIG_FILE,
     DISCARD_PREFIX,
+    MANIFEST_FILE,
     OPTIMIZER_SETTINGS,
     OPTIMIZER_TENSORS,
     STATE_FILE,
@@ -109,6 +111,23 @@ def discard(folder: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def foreign_files(folder: Path) -> list[str]:
+    """What a checkpoint folder holds that no checkpoint writes (an export put inside it, a user's notes)."""
+    return sorted(entry.name for entry in Path(folder).iterdir() if entry.name not in CHECKPOINT_FILES)
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Remove a checkpoint folder, never what qlora did not write there. One that also holds other files
+    keeps them and loses only the checkpoint's own, its trainer state first, so that it is no checkpoint
+    from then on; without trainer state it is no checkpoint at all (an export named like one), and stays."""
+    folder = Path(folder)
+    if not foreign_files(folder):
+        discard(folder)
+    elif (folder / STATE_FILE).is_file():
+        for name in (STATE_FILE, *CHECKPOINT_FILES):
+            (folder / name).unlink(missing_ok=True)
+
+
 def write_adapter(folder: Path, model, config: TrainConfig) -> None:
     save_tensors(adapter_state_dict(model), folder / ADAPTER_WEIGHTS)
     write_json(folder / ADAPTER_CONFIG, adapter_config(model, config))
@@ -140,11 +159,11 @@ def save_checkpoint(
         save_tensors(tensors, temp / OPTIMIZER_TENSORS)
         write_json(temp / OPTIMIZER_SETTINGS, meta)
         save_config(config, temp / CONFIG_FILE)
-        write_json(temp / STATE_FILE, trainer_state)
+        write_json(temp / STATE_FILE, {**trainer_state, MANIFEST_WRITTEN: True})
         write_manifest(temp)
         fsync_tree(temp)
         if final.exists():
-            discard(final)
+            remove_checkpoint(final)
         temp.rename(final)
         fsync_dir(output_dir)
     except OSError as err:
@@ -155,16 +174,33 @@ def save_checkpoint(
         shutil.rmtree(temp, ignore_errors=True)
     if config.save_total_limit:
         for _, old in run_checkpoints(output_dir, trainer_state.get("run_id"))[: -config.save_total_limit]:
-            discard(old)
+            remove_checkpoint(old)
     return final
+
+
+def _manifest_problem(folder: Path) -> str | None:
+    """What a checkpoint's manifest finds changed, or that a checkpoint written with a manifest has lost
+    it; None when neither (a checkpoint written before manifests has none to check)."""
+    if has_manifest(folder):
+        return manifest_problem(folder)
+    try:
+        written = read_trainer_state(folder).get(MANIFEST_WRITTEN)
+    except QLoraError as err:
+        return str(err)
+    if written:
+        return (
+            f"checkpoint {folder} is damaged: its {MANIFEST_FILE} is missing, and its {STATE_FILE} says "
+            "it was written with one, so nothing can tell its files are intact"
+        )
+    return None
 
 
 def verify(folder: Path) -> None:
     """A checkpoint's files are as it wrote them; a damaged one is refused, naming the newest intact
-    checkpoint of its run. Checkpoints without a manifest (written before qlora wrote one) pass, to be
-    checked by parsing as they are read."""
+    checkpoint of its run. Checkpoints written before manifests pass, to be checked by parsing as they
+    are read."""
     folder = Path(folder)
-    if not has_manifest(folder) or (problem := manifest_problem(folder)) is None:
+    if (problem := _manifest_problem(folder)) is None:
         return
     try:
         others = run_checkpoints(folder.parent, checkpoint_run(folder))
@@ -227,8 +263,8 @@ def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint cannot be resumed from (a file that is missing, unreadable or not as its manifest
     recorded it), or None when it can."""
     folder = Path(folder)
-    if has_manifest(folder):
-        return manifest_problem(folder)
+    if (problem := _manifest_problem(folder)) is not None or has_manifest(folder):
+        return problem
     try:
         _read_files(folder)
         read_checkpoint_config(folder)

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +26,11 @@ from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     checkpoint_run,
+    foreign_files,
     list_checkpoints,
     read_trainer_state,
     readable_checkpoints,
+    remove_checkpoint,
     run_checkpoints,
 )
 from qlora_cli.rundir.names import (
@@ -38,6 +40,7 @@ from qlora_cli.rundir.names import (
     LOCK_FILE,
     RUN_FILE,
     RUN_FILES,
+    STATE_FILE,
     SUPERSEDED_PREFIX,
     TEMP_PREFIX,
     WRITE_PROBE_PREFIX,
@@ -65,11 +68,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def usable_checkpoint(output_dir: Path, use_instead: str) -> Path | None:
+def usable_checkpoint(output_dir: Path, use_instead: Callable[[Path], str]) -> Path | None:
     """The owner's newest checkpoint, checked readable; None when it has none.
 
-    A damaged newest checkpoint is an error naming it and the newest complete one, with `use_instead`
-    (formatted with {checkpoint}) saying how to continue from that one.
+    A damaged newest checkpoint is an error naming it and the newest complete one, with
+    `use_instead(that checkpoint)` saying how to continue from that one.
     """
     output_dir = Path(output_dir)
     run_id = owner_run(output_dir)
@@ -84,10 +87,7 @@ def usable_checkpoint(output_dir: Path, use_instead: str) -> Path | None:
         if problem is None and damaged is None:
             return folder
         if problem is None:
-            raise QLoraError(
-                f"{damaged}; the newest complete checkpoint is {folder}: "
-                + use_instead.format(checkpoint=folder)
-            )
+            raise QLoraError(f"{damaged}; the newest complete checkpoint is {folder}: " + use_instead(folder))
         damaged = damaged or problem
     if damaged is not None:
         raise QLoraError(f"{damaged}; no complete checkpoint is left in {output_dir}")
@@ -129,6 +129,26 @@ def check_new_run(output_dir: Path, overwrite: bool) -> None:
             f"`qlora resume {output_dir}`, choose a new output_dir, or add --overwrite "
             "(overwrite_output_dir: true) to delete them first"
         )
+    for entry in found if overwrite else ():
+        if entry.is_dir() and (why := _not_a_run_folder(entry)):
+            raise QLoraError(
+                f"output_dir {output_dir}: --overwrite deletes only what a run wrote, and {entry.name} {why}; "
+                "move it out of output_dir first, or choose another output_dir"
+            )
+
+
+def _not_a_run_folder(folder: Path) -> str | None:
+    """Why a folder named like a checkpoint holds what no run wrote, or None when it holds a checkpoint only."""
+    if not (folder / STATE_FILE).is_file():
+        return f"is no checkpoint (it has no {STATE_FILE})"
+    if foreign := foreign_files(folder):
+        return f"holds {', '.join(foreign)}, which no checkpoint writes"
+    return None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether a folder is a run's output_dir: it holds the run's file or checkpoints."""
+    return (Path(folder) / RUN_FILE).is_file() or bool(list_checkpoints(folder))
 
 
 def _holds_a_run(output_dir: Path, found: list[Path]) -> bool:
@@ -137,11 +157,15 @@ def _holds_a_run(output_dir: Path, found: list[Path]) -> bool:
 
 
 def remove_run_files(output_dir: Path) -> None:
-    """Every file and folder a run writes in output_dir; anything else there is left alone."""
-    prefixes = (TEMP_PREFIX, DISCARD_PREFIX, SUPERSEDED_PREFIX)
+    """Every file and folder a run writes in output_dir; anything else there is left alone, in its
+    checkpoint folders too (remove_checkpoint)."""
     for entry in Path(output_dir).iterdir():
-        if entry.is_dir() and (CHECKPOINT_NAME.match(entry.name) or entry.name.startswith(prefixes)):
+        if entry.is_dir() and entry.name.startswith((TEMP_PREFIX, DISCARD_PREFIX)):
             shutil.rmtree(entry)
+        elif entry.is_dir() and (
+            CHECKPOINT_NAME.match(entry.name) or entry.name.startswith(SUPERSEDED_PREFIX)
+        ):
+            remove_checkpoint(entry)
         elif entry.name in RUN_FILES:
             entry.unlink()
 

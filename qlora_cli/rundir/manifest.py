@@ -2,7 +2,8 @@
 
 Parsing a file back only finds damage to its structure: a disk, a copy or a sync that changes bytes inside
 a tensor leaves a safetensors file that loads. The manifest finds any changed byte before a checkpoint is
-trusted. Checkpoints written before manifests have none, and are read as they were.
+trusted. Checkpoints written before manifests have none, and are read as they were; the trainer state of
+every later one says it was written with one, so that one which lost its manifest is found damaged.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 
 from qlora_cli.core.files import sha256_file, write_json
 from qlora_cli.rundir.names import MANIFEST_FILE
+
+# The trainer_state.json key that says the checkpoint was written with a manifest.
+MANIFEST_WRITTEN = "manifest_written"
 
 # Checkpoints found intact in this process, by their files' (name, size, mtime) as they were then: a
 # command reads a checkpoint several times, and hashes it once.

@@ -18,6 +18,14 @@ OPTIMIZER_SETTINGS = "optimizer.json"
 CONFIG_FILE = "config.yaml"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
+CHECKPOINT_FILES = (
+    *ADAPTER_FILES,
+    OPTIMIZER_TENSORS,
+    OPTIMIZER_SETTINGS,
+    CONFIG_FILE,
+    STATE_FILE,
+    MANIFEST_FILE,
+)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
@@ -37,3 +45,11 @@ RUN_FILES = (*ADAPTER_FILES, METRICS_FILE, LOG_FILE, RUN_FILE)
 
 def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def names_a_checkpoint_folder(name: str) -> bool:
+    """Whether a folder of this name in a run's output_dir is one of those the run removes, replaces or
+    sets aside: a checkpoint, a superseded one, or one being written or deleted."""
+    return bool(CHECKPOINT_NAME.match(name)) or name.startswith(
+        (SUPERSEDED_PREFIX, TEMP_PREFIX, DISCARD_PREFIX)
+    )

@@ -302,12 +302,13 @@ def _set_options(overrides) -> list[str]:
     return [f"--set={text}" for text in overrides]
 
 
-def launch_train(nproc: int, config_path: Path, overrides=()) -> int:
+def launch_train(nproc: int, config_path: Path, overrides=(), accept_changed_data=False) -> int:
     """`qlora train CONFIG` in `nproc` processes; a bad config or an output_dir holding another run is one
     error here, before any starts."""
     config = load_config(config_path, overrides)
     check_new_run(Path(config.output_dir), config.overwrite_output_dir)
-    return _launch(nproc, ["train", str(config_path), *_set_options(overrides)])
+    accept = ["--accept-changed-data"] if accept_changed_data else []
+    return _launch(nproc, ["train", str(config_path), *accept, *_set_options(overrides)])
 
 
 def launch_resume(

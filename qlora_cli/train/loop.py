@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shlex
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,8 @@ from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
-from qlora_cli.data.files import changed_files
+from qlora_cli.data.examples import reads_local_files
+from qlora_cli.data.files import changed_files, moved_files
 from qlora_cli.model.settings import compute_dtype, select_device
 from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
 from qlora_cli.rundir.checkpoint import (
@@ -59,6 +61,29 @@ BREAKING_KEYS = (
     "peft_use_rslora",
     "train_norms",
 )
+
+# Keys that fix the batch plan a checkpoint's data cursor points into (qlora_cli/data/examples.py): which
+# examples there are, how they pack into rows and rows into micro-batches, their order, and how many
+# micro-batches a step reads. Under other values the checkpoint's step places the run among other rows.
+BATCH_PLAN_KEYS = (
+    "seed",
+    "sample_packing",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_len",
+    "val_set_size",
+    "dataset_exact_deduplication",
+    "excess_length_strategy",
+    "chat_template",
+    "chat_template_jinja",
+    "chat_template_kwargs",
+)
+# The keys of a datasets entry that say where its rows are rather than which: a local entry's files are
+# recorded by their bytes instead (_check_data_files), so that a file that moved is no change. A hub
+# entry's revision is the commit the checkpoint pinned, which a config naming a branch finds only once
+# it downloads, so it is not compared either.
+LOCAL_PLACE_KEYS = ("path", "data_files", "revision")
+HUB_PLACE_KEYS = ("revision",)
 
 # Wraps each optimizer step: a context manager opened with the run's device.
 StepObserver = Callable[[torch.device], AbstractContextManager]
@@ -190,9 +215,15 @@ def train(
     console: Console | None = None,
     observe_step: StepObserver | None = None,
     accept_changed_data: bool = False,
+    command: Sequence[str] = (),
 ) -> TrainResult:
     """Train LoRA adapters as the config says; with resume_from, continue that checkpoint (whose local
-    data files must read as they did, unless accept_changed_data).
+    data files must read as they did, and whose batch plan the config must keep, unless
+    accept_changed_data).
+
+    `command`: the arguments of the `qlora` command that asked for this, which a refusal that
+    --accept-changed-data lifts suggests again with it (by default `resume OUTPUT_DIR --checkpoint
+    RESUME_FROM`, which continues the checkpoint's own config).
 
     With `observe_step`, every optimizer step runs inside `observe_step(device)`, and the steps run
     eagerly (no CUDA graphs), so that what it times is each op: `qlora profile` passes its recorder's
@@ -207,25 +238,28 @@ def train(
         resume_from = configured_resume(config)
     console = console or OutputConsole(stderr=True)
     output_dir = Path(config.output_dir)
+    if resume_from is not None and not command:
+        command = ("resume", str(output_dir), "--checkpoint", str(resume_from))
     trackers = Trackers(config)  # a missing extra stops the run here, before output_dir is touched
-    with (
-        StopSignals(console, output_dir) as signals,
-        distributed(select_device(config.device)) as dist,
-        owned_output_dir(
+    with StopSignals(console, output_dir) as signals, distributed(select_device(config.device)) as dist:
+        if resume_from is not None:
+            # Refused before output_dir is claimed and anything loads; _train notes an accepted change.
+            saved = read_checkpoint_config(resume_from)
+            check_batch_plan(saved, config, resume_from, accept_changed_data, command, dist)
+        with owned_output_dir(
             output_dir, resume_from=resume_from, overwrite=config.overwrite_output_dir, writer=dist.is_main
-        ) as ownership,
-    ):
-        if not dist.is_main:
-            console = signals.console = OutputConsole(quiet=True)
-        signals.resume_option = dist.resume_option
-        for folder in ownership.set_aside:
-            console.print(
-                f"[yellow]note:[/] a later continuation of this run is kept aside as {escape(str(folder))}"
-            )
-        result = _train(
-            config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step, started,
-            accept_changed_data,
-        )  # fmt: skip
+        ) as ownership:
+            if not dist.is_main:
+                console = signals.console = OutputConsole(quiet=True)
+            signals.resume_option = dist.resume_option
+            for folder in ownership.set_aside:
+                console.print(
+                    f"[yellow]note:[/] a later continuation of this run is kept aside as {escape(str(folder))}"
+                )
+            result = _train(
+                config, dist, resume_from, console, signals, trackers, ownership.run_id, observe_step,
+                started, accept_changed_data, command,
+            )  # fmt: skip
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
@@ -259,6 +293,63 @@ def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -
     return notes
 
 
+def batch_plan_changes(saved: TrainConfig, config: TrainConfig) -> list[str]:
+    """The keys whose new values change the batch plan of the checkpoint (config `saved`), each as
+    "'key' changed from OLD to NEW", dotted as --set names them (datasets.0.split)."""
+    changes = [
+        (key, getattr(saved, key), getattr(config, key))
+        for key in BATCH_PLAN_KEYS
+        # val_set_size holds rows out only where there are no test_datasets
+        if not (key == "val_set_size" and saved.test_datasets and config.test_datasets)
+    ]
+    changes.append(("number of datasets", len(saved.datasets), len(config.datasets)))
+    for index, (before, now) in enumerate(zip(saved.datasets, config.datasets, strict=False)):
+        place = LOCAL_PLACE_KEYS if reads_local_files(before) else HUB_PLACE_KEYS
+        changes += [
+            (f"datasets.{index}.{key.name}", getattr(before, key.name), getattr(now, key.name))
+            for key in dataclasses.fields(before)
+            if key.name not in place
+        ]
+    return [f"'{key}' changed from {old!r} to {new!r}" for key, old, new in changes if old != new]
+
+
+def check_batch_plan(
+    saved: TrainConfig,
+    config: TrainConfig,
+    checkpoint: Path,
+    accept: bool,
+    command: Sequence[str],
+    dist: Distributed,
+) -> None:
+    """A checkpoint continues on its own batch plan, unless accept: its step places the run in the data
+    by position, so another plan would skip or repeat rows of the epoch it is in."""
+    changes = batch_plan_changes(saved, config)
+    if not changes or accept:
+        return
+    state = read_trainer_state(checkpoint)
+    raise QLoraError(
+        f"cannot resume {checkpoint}: {', '.join(changes)}, which changes the batch plan the checkpoint's "
+        f"step {state['step']} places the run in (at micro-batch {state.get('batch_index', 0)} of epoch "
+        f"{state.get('epoch', 0)}), so the remaining steps would skip or repeat rows of this epoch; keep the "
+        f"checkpoint's {'value' if len(changes) == 1 else 'values'}, or continue on the new batch plan with "
+        f"{_suggest([*command, '--accept-changed-data'], dist)}"
+    )
+
+
+def _batch_plan_note(run: Run, saved: TrainConfig, step: int) -> list[str]:
+    """What an accepted change of the batch plan means for the steps left."""
+    changes = batch_plan_changes(saved, run.config)
+    if not changes:
+        return []
+    per_step = run.config.gradient_accumulation_steps * run.dist.world_size
+    epoch, batches = run.train_plan.step_micro_batches(step, per_step)
+    return [
+        f"{', '.join(changes)} (--accept-changed-data): the remaining steps, from step {step + 1}, draw a "
+        f"new batch plan, from its micro-batch {batches.start} of epoch {epoch}, so rows of this epoch may "
+        "be skipped or seen twice"
+    ]
+
+
 def _train(
     config: TrainConfig,
     dist: Distributed,
@@ -270,6 +361,7 @@ def _train(
     observe_step: StepObserver | None = None,
     started: float | None = None,
     accept_changed_data: bool = False,
+    command: Sequence[str] = (),
 ) -> TrainResult:
     """`started`: when the caller began, so that the start-up reported covers its part too."""
     started = time.perf_counter() if started is None else started
@@ -279,13 +371,14 @@ def _train(
     run.run_id = run_id
     config = run.config
     if resume_from is not None:
-        saved = read_checkpoint_config(resume_from)
+        saved, state = read_checkpoint_config(resume_from), read_trainer_state(resume_from)
         run.notes += check_continues(saved, config, resume_from)
-        change = schedule_change(saved, read_trainer_state(resume_from), config, run.total_steps)
+        run.notes += _batch_plan_note(run, saved, state["step"])
+        change = schedule_change(saved, state, config, run.total_steps)
         run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
     with RunOutput(console, output_dir / LOG_FILE if dist.is_main else None) as out, trackers:
-        start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data)
+        start, metrics, tracker_state = _restore(run, resume_from, out, accept_changed_data, command)
         if dist.is_main:
             logged = [] if resume_from is None else logged_records(output_dir / METRICS_FILE)
             trackers.start(output_dir, start, tracker_state, warn=out.print, logged=logged)
@@ -331,22 +424,30 @@ def _train(
 
 
 def _restore(
-    run: Run, resume_from: Path | None, out: RunOutput, accept_changed_data: bool = False
+    run: Run, resume_from: Path | None, out: RunOutput, accept_changed_data: bool, command: Sequence[str]
 ) -> tuple[int, list[dict], dict]:
     """(the step to start at, the metrics so far, the tracker runs to continue): a checkpoint's, or a
     fresh start's. An "rng" entry that older checkpoints hold is not read: nothing draws from it."""
     if resume_from is None:
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
-    _check_data_files(run, state, resume_from, out, accept_changed_data)
+    _check_data_files(run, state, resume_from, out, accept_changed_data, command)
     out.print(escape(f"resuming from {resume_from} at step {state['step']}"))
     return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
 
 
-def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool) -> None:
+def _check_data_files(
+    run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool, command: Sequence[str]
+) -> None:
     """A resumed run continues at the checkpoint's step, which places it in the data by position: a local
-    file that changed since (checkpoints before this check record none) moves the rows under it."""
-    changed = changed_files(state.get("data_files", run.data_files), run.data_files)
+    file that changed since (checkpoints before this check record none) moves the rows under it. Files
+    that only moved, the same bytes read in the same order, are the same rows."""
+    recorded = state.get("data_files", run.data_files)
+    moved = moved_files(recorded, run.data_files)
+    for then, now in moved or ():
+        note = f"data file {then} moved to {now} since {checkpoint}: the same bytes, so the same rows"
+        out.print(f"[yellow]note:[/] {escape(note)}")
+    changed = [] if moved is not None else changed_files(recorded, run.data_files)
     if not changed:
         return
     at = (
@@ -356,14 +457,17 @@ def _check_data_files(run: Run, state: dict, checkpoint: Path, out: RunOutput, a
     if not accept:
         others = f" (and {count(len(changed) - 1, 'other file')})" if len(changed) > 1 else ""
         raise QLoraError(
-            f"cannot resume {checkpoint}: {changed[0]}{others} changed since the checkpoint was written; "
-            f"{at}; continue anyway with `qlora resume {run.config.output_dir} --accept-changed-data"
-            f"{run.dist.resume_option}`"
+            f"cannot resume {checkpoint}: {changed[0]}{others} since the checkpoint was written; "
+            f"{at}; continue anyway with {_suggest([*command, '--accept-changed-data'], run.dist)}"
         )
-    for path in changed:
-        out.print(
-            f"[yellow]note:[/] {escape(f'{path} changed since {checkpoint} (--accept-changed-data): {at}')}"
-        )
+    for change in changed:
+        out.print(f"[yellow]note:[/] {escape(f'{change} since {checkpoint} (--accept-changed-data): {at}')}")
+
+
+def _suggest(words: Sequence[str], dist: Distributed | None = None) -> str:
+    """A `qlora` command as a message suggests it: quoted for the shell, so that it runs as written, and
+    under several processes with their number."""
+    return f"`qlora {shlex.join(words)}{dist.resume_option if dist else ''}`"
 
 
 def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
@@ -465,15 +569,35 @@ def _write_final_adapter(run: Run, checkpoint: Path) -> None:
             ) from None
 
 
+def _check_data_found(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
+    """Each local dataset the checkpoint read is still where its config names it, or is given a new place."""
+    for key in ("datasets", "test_datasets"):
+        for index, (before, now) in enumerate(zip(getattr(saved, key), getattr(config, key), strict=False)):
+            path = Path(now.path)
+            if now.path == before.path and path.is_absolute() and not path.exists():
+                raise QLoraError(
+                    f"cannot resume {checkpoint}: its dataset {key}.{index}, {path}, does not exist; if it "
+                    f"moved, give its new place with --set {key}.{index}.path=NEW_PATH"
+                )
+
+
 def resume(
     output_dir: Path, *, checkpoint: Path | None = None, overrides=(), console=None, accept_changed_data=False
 ) -> TrainResult:
     """Continue a run from its newest complete checkpoint (or the one given); accept_changed_data: even
-    when a local data file it read has changed since."""
+    when a local data file it read has changed since, or an override changes its batch plan."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise QLoraError(f"{output_dir} is not a folder with checkpoints")
-    use_instead = f"continue from it with `qlora resume {output_dir} --checkpoint {{checkpoint}}`"
+    options = [option for text in overrides for option in ("--set", text)]
+    given = ["--checkpoint", str(checkpoint)] if checkpoint else []
+    command = ["resume", str(output_dir), *given, *options]
+    accept = ["--accept-changed-data"] if accept_changed_data else []
+
+    def use_instead(found: Path) -> str:
+        again = ["resume", str(output_dir), "--checkpoint", str(found), *options, *accept]
+        return f"continue from it with {_suggest(again)}"
+
     checkpoint = Path(checkpoint) if checkpoint else usable_checkpoint(output_dir, use_instead)
     if checkpoint is None:
         raise QLoraError(f"{output_dir} has no complete checkpoint to resume from")
@@ -486,5 +610,12 @@ def resume(
     config = config_from_dict(raw)
     # Refused here, before output_dir is claimed; _train checks again and prints the notes.
     check_continues(saved, config, checkpoint)
+    _check_data_found(saved, config, checkpoint)
     config = dataclasses.replace(config, output_dir=str(output_dir.resolve()))
-    return train(config, resume_from=checkpoint, console=console, accept_changed_data=accept_changed_data)
+    return train(
+        config,
+        resume_from=checkpoint,
+        console=console,
+        accept_changed_data=accept_changed_data,
+        command=command,
+    )
