@@ -145,3 +145,22 @@ def test_a_llama_with_attention_and_mlp_bias_matches_transformers_and_trains(tmp
     with torch.no_grad():
         assert (ours(ids) - load_transformers(folder)(ids).logits).abs().max().item() < 1e-4
     assert train(load_config(path, ["chat_template=llama3"])).step == 2
+
+
+def test_targets_naming_no_projection_of_the_model_are_one_line_before_its_weights_load(
+    tmp_path, run_cli, monkeypatch
+):
+    """Qwen3.5's Gated DeltaNet projections on a Llama would leave LoRA nothing to train."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(QLoRAModel, "from_pretrained", loaded)
+    config = _write(tmp_path, "llama", lora_target_modules=["in_proj_qkv", "in_proj_z"])
+    code, _, err = run_cli("train", config)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0] == (
+        "error: config key 'lora_target_modules': in_proj_qkv, in_proj_z names no projection of this llama "
+        "model; its layers have q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+    )

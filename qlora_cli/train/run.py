@@ -119,6 +119,7 @@ def build_run(
     base_weights = weights_fingerprint(folder) if is_local_base(config.base_model) else None
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
+    _check_targets(config, spec)
     data_start = time.perf_counter()
     config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
@@ -165,6 +166,17 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
         raise QLoraError(
             f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
             f"qlora's attention has no sliding window; set sequence_len <= {number(spec.sliding_window)}"
+        )
+
+
+def _check_targets(config: TrainConfig, spec: ModelSpec) -> None:
+    """The targets must name a projection this model has: a list of another family's names (Qwen3.5's
+    in_proj_qkv on a Llama) would leave LoRA nothing to train."""
+    projections = spec.projection_names()
+    if not set(config.target_modules) & set(projections):
+        raise QLoraError(
+            f"config key 'lora_target_modules': {', '.join(config.target_modules)} names no projection of "
+            f"this {spec.model_type} model; its layers have {', '.join(projections)}"
         )
 
 
