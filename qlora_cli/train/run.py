@@ -17,7 +17,7 @@ import torch
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import number
-from qlora_cli.data.examples import BatchPlan, prepare_data
+from qlora_cli.data.examples import BatchPlan, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
 from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, select_device
@@ -123,6 +123,8 @@ def build_run(
     data_start = time.perf_counter()
     config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
+    evaluated = eval_plan.examples if eval_plan else []
+    check_token_ids([*train_plan.examples, *evaluated], tokenizer, spec.vocab_size)
     # The schedule counts the train plan's batches; the memory plan decides how the model is built.
     total_steps, eval_every, save_every = _schedule(config, train_plan, eval_plan, dist.world_size, notes)
     plan = _plan_memory(config, spec, dist.world_size, dist.device, notes)
