@@ -24,7 +24,7 @@ from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, se
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.base import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
-from qlora_cli.sources.fingerprint import weights_fingerprint
+from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -53,7 +53,7 @@ class Run:
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
     data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
-    base_weights: dict | None = None  # the fingerprint of a local base's weights (rundir/base.py)
+    base_fingerprint: dict | None = None  # a local base's weights, config and tokenizer (rundir/base.py)
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
@@ -116,7 +116,7 @@ def build_run(
     notes = list(config.notes)
     if (skipped := locate_tensors(folder, spec).note()) is not None:
         notes.append(skipped)
-    base_weights = weights_fingerprint(folder) if is_local_base(config.base_model) else None
+    fingerprint = base_fingerprint(folder) if is_local_base(config.base_model) else None
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
     _check_targets(config, spec)
@@ -153,7 +153,7 @@ def build_run(
         save_every=save_every,
         startup_s={"data": data_s, "model": model_s},
         data_files=data_files,
-        base_weights=base_weights,
+        base_fingerprint=fingerprint,
     )
 
 
