@@ -126,7 +126,7 @@ def test_a_mistral_sliding_window_at_least_sequence_len_trains(window, tmp_path)
         with pytest.raises(QLoraError) as refused:
             build_run(config)
         assert str(refused.value) == (
-            f"sliding_window {window} < sequence_len 96: qlora's attention has no sliding window; "
+            f"sliding_window {window} < sequence_len 96: qlora's training attention has no sliding window; "
             f"set sequence_len <= {window}"
         )
     else:

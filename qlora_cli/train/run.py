@@ -163,11 +163,13 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
             f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
         )
-    # Within a window as long as the row, sliding-window attention is plain causal attention.
+    # Within a window as long as the row, sliding-window attention is plain causal attention; a shorter
+    # window would take the torch path of qlora_kernels.attention, which generation uses past the window.
     if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
         raise QLoraError(
             f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
-            f"qlora's attention has no sliding window; set sequence_len <= {number(spec.sliding_window)}"
+            "qlora's training attention has no sliding window; "
+            f"set sequence_len <= {number(spec.sliding_window)}"
         )
 
 
