@@ -1,8 +1,10 @@
 """Causal grouped-query attention with packed-document masking, forward and backward.
 
-Query i of a row may see key j when j <= i and both tokens belong to the same document. The
+Query i of a row may see key j when j <= i and both tokens belong to the same document; with a sliding
+window W, also only when i - j < W (the W latest keys, itself included, as transformers' Mistral). The
 Triton path is flash-attention style: scores never exist as an S x S tensor; the forward keeps
 only the output and the per-row logsumexp, and the backward recomputes scores block by block.
+A window shorter than the row runs on torch's attention a block of queries at a time.
 """
 
 import functools
@@ -18,16 +20,20 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
 
-def _allowed_mask(seq_len: int, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _allowed_mask(
+    seq_len: int, doc_ids: torch.Tensor | None, device: torch.device, window: int | None = None
+) -> torch.Tensor:
     """Boolean [B or 1, 1, S, S] mask, True where query i may attend key j."""
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
     if doc_ids is None:
         return causal[None, None]
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (causal[None] & same_doc)[:, None]
 
 
-def attention_reference(q, k, v, doc_ids=None, scale=None):
+def attention_reference(q, k, v, doc_ids=None, scale=None, window=None):
     """Scores materialized in fp32: the numerical truth, and the CPU path for small runs."""
     _, seq_len, n_q_heads, head_dim = q.shape
     group = n_q_heads // k.shape[2]
@@ -37,9 +43,34 @@ def attention_reference(q, k, v, doc_ids=None, scale=None):
     kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~_allowed_mask(seq_len, doc_ids, q.device), float("-inf"))
+    scores = scores.masked_fill(~_allowed_mask(seq_len, doc_ids, q.device, window), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf
     return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
+def attention_windowed(q, k, v, doc_ids, window: int, scale=None):
+    """Sliding-window attention on torch's fused attention, `window` queries at a time over the keys they
+    can reach (the previous window - 1 and their own), so no mask is larger than W x 2W. Only generation
+    needs it, for prompts longer than the window; training stays within the window (refused otherwise)."""
+    seq_len, group = q.shape[1], q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    # Explicit kv heads keep the memory-efficient kernel usable with a boolean mask.
+    kt = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    positions = torch.arange(seq_len, device=q.device)
+    blocks = []
+    for start in range(0, seq_len, window):
+        end, first = min(start + window, seq_len), max(0, start - window + 1)
+        distance = positions[start:end, None] - positions[None, first:end]
+        mask = ((distance >= 0) & (distance < window))[None, None]
+        if doc_ids is not None:
+            mask = mask & (doc_ids[:, start:end, None] == doc_ids[:, None, first:end])[:, None]
+        blocks.append(
+            F.scaled_dot_product_attention(
+                qt[:, :, start:end], kt[:, :, first:end], vt[:, :, first:end], attn_mask=mask, scale=scale
+            )
+        )
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
 
 
 def _check_inputs(q, k, v, doc_ids):
@@ -1076,18 +1107,25 @@ class TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attention(q, k, v, doc_ids=None, *, scale=None, backend="triton"):
+def attention(q, k, v, doc_ids=None, *, scale=None, backend="triton", window=None):
     """Causal GQA attention; q [B, S, Hq, D], k and v [B, S, Hk, D], doc_ids [B, S] or None.
 
     Query head h reads kv head h // (Hq // Hk). With doc_ids, a token sees only earlier tokens of
     its own document; the Triton path expects each document's tokens to be contiguous in the row,
-    as packing lays them out. Returns [B, S, Hq, D] contiguous in q's dtype. backend "triton" is our
+    as packing lays them out. With a sliding `window`, only the `window` latest of them, itself
+    included. Returns [B, S, Hq, D] contiguous in q's dtype. backend "triton" is our
     kernel (the torch reference on CPU outside the interpreter); "sdpa" is torch's fused attention;
     "flex" is torch's FlexAttention on CUDA (the reference on the CPU, where flex has no backward).
+    A window shorter than the row takes attention_windowed whatever the backend; one as long cuts
+    nothing.
     """
     _check_inputs(q, k, v, doc_ids)
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one key, got {window}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
+    if window is not None and window < q.shape[1]:
+        return attention_windowed(q, k, v, doc_ids, window, scale)
     if backend == "sdpa":
         return attention_sdpa(q, k, v, doc_ids, scale)
     if backend == "flex":

@@ -265,9 +265,10 @@ LLAMA3_SPECIALS = (
 MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 
 
-def write_llama3_tokenizer(folder: Path, vocab_size: int) -> None:
+def write_llama3_tokenizer(folder: Path, vocab_size: int, eos_token: str = "<|eot_id|>") -> None:
     """Byte-level BPE with Llama 3's split; its special tokens after the BPE vocabulary, as in Llama 3,
-    and BOS prepended by the post-processor (rendered chats are tokenized without it)."""
+    and BOS prepended by the post-processor (rendered chats are tokenized without it). The eos is an
+    Instruct model's, <|eot_id|>, unless `eos_token` says otherwise (a base Llama's <|end_of_text|>)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -308,7 +309,7 @@ def write_llama3_tokenizer(folder: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
+        eos_token=eos_token,
         pad_token="<|end_of_text|>",
         model_max_length=256,
     ).save_pretrained(folder)

@@ -92,6 +92,45 @@ def test_sdpa_backend_matches_reference(with_docs):
     torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_a_window_shorter_than_the_row_matches_the_reference_windowed(with_docs, window):
+    """Each query sees the `window` latest keys of its document, itself included: on every backend, in
+    blocks of `window` queries that do not divide the row, forward and backward."""
+    fused, q, k, v = _qkv_views(2, 37, 6, 2, 16)
+    generator = torch.Generator().manual_seed(4)
+    doc_ids = _packed_doc_ids(2, 37, generator) if with_docs else None
+    dout = torch.randn(2, 37, 6, 16, generator=generator)
+
+    def reference(q, k, v, doc_ids):
+        return attention_reference(q, k, v, doc_ids, window=window)
+
+    ref_out, ref_grad = _output_and_grads(reference, fused, q, k, v, doc_ids, dout)
+    unwindowed = attention_reference(q, k, v, doc_ids)
+    assert not torch.allclose(ref_out, unwindowed)
+    for backend in ("triton", "sdpa", "flex"):
+
+        def windowed(q, k, v, doc_ids, backend=backend):
+            return attention(q, k, v, doc_ids, backend=backend, window=window)
+
+        out, grad = _output_and_grads(windowed, fused, q, k, v, doc_ids, dout)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
+    # A window as long as the row cuts nothing.
+    torch.testing.assert_close(attention(q, k, v, doc_ids, window=37), unwindowed, atol=1e-5, rtol=1e-5)
+
+
+def test_the_reference_window_keeps_the_latest_keys_itself_included():
+    mask = _allowed_mask(5, None, torch.device("cpu"), window=2)[0, 0]
+    assert mask.int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+
+
 def test_documents_are_isolated():
     """Changing one document's keys and values leaves every other document's output unchanged."""
     _, q, k, v = _qkv_views(1, 24, 2, 1, 16)

@@ -151,6 +151,6 @@ def test_the_mistral_example_on_mistral_v0_1s_window_asks_for_a_shorter_sequence
     8,192-token rows."""
     path = _example("mistral-qlora.yml", fixtures, tmp_path, sliding_window=4096)
     assert _refusal(path, run_cli).endswith(
-        "sliding_window 4,096 < sequence_len 8,192: qlora's attention has no sliding window; "
+        "sliding_window 4,096 < sequence_len 8,192: qlora's training attention has no sliding window; "
         "set sequence_len <= 4,096"
     )

@@ -14,6 +14,7 @@ from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import SHIPPED_TEMPLATES
 from qlora_cli.data.report import data_report
+from qlora_cli.generate.source import stop_ids
 from qlora_cli.sources.chat_templates import SHIPPED, choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
@@ -187,6 +188,21 @@ def test_training_rows_train_the_assistant_text_and_its_end_of_turn(
     report = _data_report(tmp_path, tokenizers[family].source, [CHAT], chat_template=name)
     assert _trained_text(report) == trained
     assert report.train[0].input_ids.count(report.tokenizer.bos_token_id) == 1  # no second BOS
+
+
+def test_llama3_on_a_base_llama_trains_and_stops_at_eot_id_not_at_its_eos(tmp_path):
+    """A base Llama 3's eos is <|end_of_text|>, not the <|eot_id|> that closes the llama3 template's turns
+    (the other tests' tokenizer is an Instruct one, whose eos is <|eot_id|>): the template must declare
+    its own end of turn, or generation would stop at <|end_of_text|> only. Training finds the end of a
+    turn in the rendered text, and trains <|eot_id|>."""
+    folder = tmp_path / "base-llama"
+    write_llama3_tokenizer(folder, 320, eos_token="<|end_of_text|>")
+    tokenizer = choose_template(ChatTokenizer.from_folder(folder), "llama3", None)
+    stops = {tokenizer.token_to_id(token) for token in ("<|eot_id|>", "<|end_of_text|>")}
+    assert stop_ids(tokenizer, {}) == stops
+    assert tokenizer.eos_token == "<|end_of_text|>" and tokenizer.end_of_turn == "<|eot_id|>"
+    report = _data_report(tmp_path, folder, [CHAT], chat_template="llama3")
+    assert _trained_text(report) == "Hello there<|eot_id|>"
 
 
 def test_qwen3_5_own_template_trains_the_last_turn_with_its_think_block(tmp_path):

@@ -10,11 +10,16 @@ llama.cpp test below runs the demo model, whose head_dim (32) is hidden_size / h
 
 llama.cpp itself is the reader that matters; test_llama_cpp_generates_what_transformers_does checks
 greedy tokens against transformers' on the --merged export where llama_cpp is installed, and skips
-elsewhere.
+elsewhere. llama.cpp runs in a child process (tests/llama_cpp_child.py), never in this one: a build
+for another CPU dies of an Illegal instruction, which must fail its tests with a line saying so, not
+end the pytest session.
 """
 
+import importlib.util
 import json
 import math
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +28,7 @@ import torch
 from checkpoints import (
     REPO_ROOT,
     load_transformers,
+    subprocess_env,
     write_llama,
     write_mistral,
     write_qwen2,
@@ -311,11 +317,52 @@ def test_missing_gguf_package_names_the_extra(tmp_path, monkeypatch):
         export(tmp_path / "run", tmp_path / "o", gguf=True)
 
 
+LLAMA_CPP_CHILD = Path(__file__).resolve().parent / "llama_cpp_child.py"
+# Found without importing it: importing loads llama.cpp's native library into this process.
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+
+
+def llama_cpp(request: dict, child: Path = LLAMA_CPP_CHILD) -> dict:
+    """tests/llama_cpp_child.py's answer to `request`. A child killed by a signal fails the calling test
+    in one line naming the signal; SIGILL is llama.cpp compiled for instructions this CPU lacks."""
+    proc = subprocess.run(
+        [sys.executable, str(child)],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=subprocess_env(),
+    )
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        hint = (
+            ": llama-cpp-python was built for another CPU; reinstall it portable, as the README's test "
+            "command does (CMAKE_ARGS=-DGGML_NATIVE=off, pip --no-cache-dir)"
+            if name == "SIGILL"
+            else ""
+        )
+        pytest.fail(f"llama.cpp died of {name} in its child process{hint}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"llama.cpp's child process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def test_a_llama_cpp_crash_fails_its_test_in_one_line_not_the_session(tmp_path):
+    child = tmp_path / "crash.py"
+    child.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        llama_cpp({}, child)
+    assert str(failed.value).startswith(
+        "llama.cpp died of SIGILL in its child process: llama-cpp-python was built for another CPU"
+    )
+
+
 @pytest.fixture(scope="module")
 def demo_exports(tmp_path_factory):
     """The demo trained a few steps (on the torch reference ops, as users on CPU do), exported --merged
     (bf16) and --gguf (bf16)."""
-    pytest.importorskip("llama_cpp")
     folder = tmp_path_factory.mktemp("demo")
     config = load_config(
         REPO_ROOT / "configs" / "demo.yaml",
@@ -329,38 +376,41 @@ def demo_exports(tmp_path_factory):
     return merged, result.out / result.gguf_file
 
 
+@needs_llama_cpp
 def test_llama_cpp_generates_what_transformers_does(demo_exports):
     """llama.cpp loads the GGUF, tokenizes as tokenizer.json does, and its greedy continuation of a chat
     equals transformers' on the merged export."""
-    import llama_cpp
-
     merged, path = demo_exports
-    llama = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
     chat = ChatTokenizer.from_folder(merged)
-    for text in TEXTS:
-        assert llama.tokenize(text.encode(), add_bos=False, special=False) == chat.encode(text), text
     prompt = chat.render_chat(
         [{"role": "user", "content": "Give me three colors."}], add_generation_prompt=True
     )
     ids = chat.encode(prompt)
-    assert llama.tokenize(prompt.encode(), add_bos=False, special=True) == ids
     model = load_transformers(merged)
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
-    got = []
-    for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
-        got.append(token)
-        if len(got) == len(expected) or token == chat.eos_token_id:
-            break
+    answer = llama_cpp(
+        {
+            "model": str(path),
+            "n_ctx": 256,
+            "tokenize": TEXTS,
+            "tokenize_special": [prompt],
+            "generate": {"ids": ids, "max_tokens": len(expected), "stop": chat.eos_token_id},
+        }
+    )
+    for text, tokens in zip(TEXTS, answer["tokens"], strict=True):
+        assert tokens == chat.encode(text), text
+    assert answer["special_tokens"] == [ids]
+    got = answer["generated"]
     assert got == expected.tolist()[: len(got)] and len(got) > 4
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("gguf_type", sorted(TOLERANCES))
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_llama_cpp_computes_the_merged_model(tmp_path, kind, gguf_type):
     """llama.cpp's logits on the GGUF are the fp32 merge's: Qwen2 with q/k/v biases and tied embeddings
     (no output tensor), Qwen3 with QK-norm, an untied lm_head and head_dim 24 unlike hidden / heads."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     writer = {"qwen2": write_qwen2, "qwen3": write_qwen3}[kind]
     run = make_run(tmp_path, kind, writer=lambda folder: writer(folder, vocab_size=VOCAB))
     merged = load_transformers(export(run, tmp_path / "m", merged=True, dtype="float32").out)
@@ -368,11 +418,8 @@ def test_llama_cpp_computes_the_merged_model(tmp_path, kind, gguf_type):
     ids = torch.randint(0, 1021, (17,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = merged(ids[None]).logits[0]
-    llama = llama_cpp.Llama(
-        model_path=str(result.out / result.gguf_file), n_ctx=64, n_threads=2, logits_all=True, verbose=False
-    )
-    llama.eval(ids.tolist())
-    got = torch.from_numpy(llama.scores[: len(ids)].copy())
+    answer = llama_cpp({"model": str(result.out / result.gguf_file), "n_ctx": 64, "eval": ids.tolist()})
+    got = torch.tensor(answer["scores"])
     assert (got - expected).abs().max().item() < TOLERANCES[gguf_type]
 
 

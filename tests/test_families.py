@@ -126,7 +126,7 @@ def test_a_mistral_sliding_window_at_least_sequence_len_trains(window, tmp_path)
         with pytest.raises(QLoraError) as refused:
             build_run(config)
         assert str(refused.value) == (
-            f"sliding_window {window} < sequence_len 96: qlora's attention has no sliding window; "
+            f"sliding_window {window} < sequence_len 96: qlora's training attention has no sliding window; "
             f"set sequence_len <= {window}"
         )
     else:
@@ -158,3 +158,22 @@ def test_a_head_larger_than_the_attention_kernels_take_is_refused_before_loading
     assert not (tmp_path / "run" / "outputs" / "checkpoint-1").exists()
     with pytest.raises(QLoraError, match=line):
         QLoRAModel.from_pretrained(tmp_path / "run" / "model")
+
+
+def test_targets_naming_no_projection_of_the_model_are_one_line_before_its_weights_load(
+    tmp_path, run_cli, monkeypatch
+):
+    """Qwen3.5's Gated DeltaNet projections on a Llama would leave LoRA nothing to train."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(QLoRAModel, "from_pretrained", loaded)
+    config = _write(tmp_path, "llama", lora_target_modules=["in_proj_qkv", "in_proj_z"])
+    code, _, err = run_cli("train", config)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0] == (
+        "error: config key 'lora_target_modules': in_proj_qkv, in_proj_z names no projection of this llama "
+        "model; its layers have q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+    )

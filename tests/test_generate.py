@@ -19,9 +19,11 @@ from checkpoints import (
     add_demo_tokenizer,
     load_transformers,
     write_llama3_tokenizer,
+    write_mistral,
     write_qwen2,
     write_qwen3,
     write_qwen3_5,
+    write_run,
 )
 from safetensors.torch import load_file, save_file
 
@@ -222,6 +224,60 @@ def test_batched_generation_equals_one_by_one(family_run):
     alone = [generate_ids(engine, [prompt], sampling, loaded.stop_ids)[0] for prompt in prompts]
     assert [c.ids for c in together] == [c.ids for c in alone]
     assert all(len(c.ids) > 0 for c in together)
+
+
+def test_a_mistral_generates_within_its_sliding_window_over_a_longer_prompt(tmp_path, run_cli):
+    """sliding_window 32 under prompts of 3 and 5 windows, packed together in the prefill: each greedy
+    answer equals transformers' Mistral with the window (past it in the prefill and in every decode step),
+    which differs from the same model's without it."""
+    from transformers import AutoModelForCausalLM
+
+    window = 32
+    base = write_mistral(tmp_path / "model", sliding_window=window, max_position_embeddings=512)
+    config = write_run(
+        tmp_path, model_writer=lambda folder: base, load_in_4bit=False, adapter="lora", sequence_len=window
+    )
+    words = [
+        "the",
+        "capital",
+        "of",
+        "France",
+        "is",
+        "Paris",
+        "and",
+        "12345",
+        "apples",
+        "with",
+        "678",
+        "pears",
+    ]
+    texts = [" ".join(words[i % len(words)] for i in range(count)) for count in (28, 46)]
+    tokenizer = ChatTokenizer.from_folder(base)
+    lengths = [len(tokenizer.encode(text)) for text in texts]
+    assert 3 * window <= lengths[0] < 4 * window and 5 * window <= lengths[1] < 6 * window
+
+    def greedy(model, text: str) -> list[int]:
+        ids = torch.tensor([tokenizer.encode(text)])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+        return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out
+
+    windowed = [greedy(load_transformers(base), text) for text in texts]
+    unwindowed_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, sliding_window=None)
+    assert [greedy(unwindowed_model.eval(), text) for text in texts] != windowed
+    out = tmp_path / "out.jsonl"
+    prompts = [arg for text in texts for arg in ("--prompt", text)]
+    code, _, err = run_cli(
+        "generate", config, "--base-only", "--raw", *prompts, "--max-new-tokens", NEW_TOKENS,
+        "--device", "cpu", "--out", out,
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["prompt_tokens"] for row in rows] == lengths
+    assert [row["completion_tokens"] for row in rows] == [len(ids) for ids in windowed]
+    assert [row["completion"] for row in rows] == [tokenizer.decode(ids) for ids in windowed]
 
 
 def test_sampling_repeats_with_its_seed(run, tmp_path, run_cli):

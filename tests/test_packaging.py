@@ -231,6 +231,27 @@ def wheel_venv(venv, docker_install, dist) -> Venv:
     return venv
 
 
+def _readme_test_command() -> str:
+    """The command of the README's code block after "Install the test extras"."""
+    after = (ROOT / "README.md").read_text().split("Install the test extras", 1)[1]
+    return after.split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+
+
+def test_ci_runs_the_readmes_test_command_which_builds_llama_cpp_for_any_cpu():
+    """.ci/run ends in the README's test command as it is written. That command installs the test extra's
+    llama-cpp-python first, from source, with GGML_NATIVE off and without pip's cache: a wheel built on
+    another CPU and taken from the cache died of an Illegal instruction in the GGUF tests."""
+    command = _readme_test_command()
+    assert (ROOT / ".ci" / "run").read_text().rstrip("\n").splitlines()[-1] == command
+    pin = re.search(r'"(llama-cpp-python==[^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    portable = (
+        'CMAKE_ARGS="-DGGML_NATIVE=off" python3 -m pip install --no-cache-dir --no-binary llama-cpp-python '
+        f'"{pin}"'
+    )
+    steps = command.split(" && ")
+    assert steps.index(portable) < steps.index("python3 -m pip install -e '.[test]'"), command
+
+
 def test_dockerfile_copies_exist_and_pass_dockerignore():
     rules = _dockerignore()
     copies = _copies(_instructions())

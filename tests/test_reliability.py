@@ -2,6 +2,7 @@
 checkpoints with one clear line, and can be resumed or exported from any directory."""
 
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -21,7 +22,10 @@ from checkpoints import (
     as_written_before_manifests,
     subprocess_env,
     suggested,
+    write_llama,
+    write_mistral,
     write_qwen3,
+    write_qwen3_5,
     write_run,
 )
 from safetensors.torch import load_file
@@ -41,6 +45,7 @@ from qlora_cli.rundir.checkpoint import (
 )
 from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owner_run, run_lock, space_needed
 from qlora_cli.rundir.names import LOCK_FILE, RUN_FILE
+from qlora_cli.sources.fingerprint import base_fingerprint, config_difference
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 
@@ -485,6 +490,119 @@ def test_a_checkpoint_without_a_base_fingerprint_takes_the_new_folder_with_a_not
         f"note: checkpoint {checkpoint} records no fingerprint of its base (written before qlora kept one), "
         f"so {moved} is used unchecked in place of {tmp_path / 'run' / 'model'}"
     ) in " ".join(err.split())
+
+
+def _base_copy(base: Path, folder: Path, change_config=None) -> Path:
+    """A copy of the base folder, its config.json changed by `change_config` (on the parsed object)."""
+    shutil.copytree(base, folder)
+    if change_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        change_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_base_whose_config_json_computes_otherwise_is_refused_naming_the_field(tmp_path, run_cli):
+    """Llama 3's weights under a config.json with rope_theta 10,000 (not 500,000) or a RoPE factor of 2
+    (not 8) answer otherwise: refused, in a folder given as --base-model and in place. Another tokenizer
+    file is a note. A checkpoint whose record predates the config's takes any config.json, with a note."""
+    config = write_run(
+        tmp_path / "run", model_writer=write_llama, chat_template="llama3", max_steps=1, save_steps=1
+    )
+    assert run_cli("train", config)[0] == 0
+    base, out = tmp_path / "run" / "model", tmp_path / "run" / "out"
+    checkpoint = out / "checkpoint-1"
+    generate = ("generate", checkpoint, "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu")
+    theta = _base_copy(base, tmp_path / "theta", lambda c: c["rope_parameters"].update(rope_theta=10000.0))
+    factor = _base_copy(base, tmp_path / "factor", lambda c: c["rope_parameters"].update(factor=2.0))
+    for folder, field, now, before in [
+        (theta, "rope_theta", "10000.0", "500000.0"),
+        (factor, "rope_scaling.factor", "2.0", "8.0"),
+    ]:
+        line = error_line(run_cli(*generate, "--base-model", folder))
+        assert line == (
+            f"error: {folder} is not the base model checkpoint {checkpoint} trained on ({base}): "
+            f"config.json's {field} is {now} where the trained-on one had {before}"
+        )
+
+    retokenized = _base_copy(base, tmp_path / "retokenized")
+    tokenizer_config = json.loads((retokenized / "tokenizer_config.json").read_text())
+    (retokenized / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "model_max_length": 64})
+    )
+    code, _, err = run_cli(*generate, "--base-model", retokenized)
+    assert code == 0, err
+    assert (
+        f"note: the tokenizer files of {retokenized} are not those checkpoint {checkpoint} trained with "
+        "(another tokenizer_config.json): text may become other token ids, or chats another prompt, than in "
+        "training"
+    ) in " ".join(err.split())
+
+    shutil.copy(factor / "config.json", base / "config.json")
+    line = error_line(run_cli("resume", out, "--set", "max_steps=2"))
+    assert line == (
+        f"error: the base model {base} changed since checkpoint {checkpoint} was written: "
+        "config.json's rope_scaling.factor is 2.0 where the trained-on one had 8.0"
+    )
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["base_weights"]["config"], state["base_weights"]["tokenizer"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    (checkpoint / "manifest.json").unlink()  # as checkpoints written before either
+    code, _, err = run_cli(*generate, "--base-model", theta)
+    assert code == 0, err
+    assert (
+        f"note: checkpoint {checkpoint} records no fingerprint of its base's config.json and tokenizer "
+        f"(written before qlora kept one), so those of {theta} are used unchecked"
+    ) in " ".join(err.split())
+
+
+def _rope(**change):
+    return lambda config: config["rope_parameters"].update(change)
+
+
+@pytest.mark.parametrize(
+    ("writer", "change", "named"),
+    [
+        (write_llama, lambda c: c.update(rms_norm_eps=1e-6), "rms_norm_eps"),
+        # q_proj's 64 rows as 2 heads of 32 instead of 4 of 16: the same weights, other attention.
+        (write_llama, lambda c: c.update(num_attention_heads=2, head_dim=32), "num_attention_heads"),
+        (write_llama, lambda c: c.update(num_key_value_heads=1), "num_key_value_heads"),
+        (write_llama, lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings"),
+        (write_llama, _rope(rope_type="default"), "rope_scaling.rope_type"),
+        (write_llama, _rope(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (
+            functools.partial(write_mistral, sliding_window=64),
+            lambda c: c.update(sliding_window=32),
+            "sliding_window",
+        ),
+        (write_qwen3_5, lambda c: c["layer_types"].reverse(), "layer_types"),
+        (write_llama, lambda c: c.update(max_position_embeddings=512), None),
+    ],
+    ids=[
+        "eps",
+        "heads",
+        "kv-heads",
+        "tied",
+        "rope-type",
+        "partial-rotary",
+        "window",
+        "layer-types",
+        "context",
+    ],
+)
+def test_the_base_fingerprint_holds_each_config_field_the_model_computes_with(
+    tmp_path, writer, change, named
+):
+    """Every ModelSpec field that changes what the layers compute; a longer context changes none of it."""
+    base = writer(tmp_path / "base")
+    recorded = json.loads(json.dumps(base_fingerprint(base)))  # as trainer_state.json keeps it
+    assert config_difference(recorded, base_fingerprint(_base_copy(base, tmp_path / "same"))) is None
+    difference = config_difference(recorded, base_fingerprint(_base_copy(base, tmp_path / "changed", change)))
+    if named is None:
+        assert difference is None
+    else:
+        assert difference is not None and difference.startswith(f"config.json's {named} is "), difference
 
 
 def test_a_hub_base_is_found_by_its_id_and_cannot_be_replaced(tmp_path):

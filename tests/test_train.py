@@ -14,12 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import as_written_before_manifests, subprocess_env, suggested, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    as_written_before_manifests,
+    subprocess_env,
+    suggested,
+    write_qwen3,
+    write_run,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
+from qlora_cli.model import QLoRAModel
 from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.train.loop import resume, train
@@ -352,6 +360,55 @@ def test_resume_is_exact(tmp_path, packing, rows, one_thread):
     assert _losses(half.output_dir) == _losses(whole.output_dir)
     adapter = "adapter_model.safetensors"
     assert (half.output_dir / adapter).read_bytes() == (whole.output_dir / adapter).read_bytes()
+
+
+def test_a_tokenizer_past_the_models_vocab_size_is_one_line_before_training(tmp_path, run_cli, monkeypatch):
+    """The demo's tokenizer (1,024 tokens) on a model of 160 embedding rows: every chat row ends its
+    turns with <|im_end|>, id 1,023, which would stop the first forward in the embedding lookup
+    (IndexError). Training and `qlora data` refuse before any weights load; generate refuses the prompt."""
+    model = add_demo_tokenizer(write_qwen3(tmp_path / "run" / "model", vocab_size=160))
+    config = write_run(tmp_path / "run", model_writer=lambda folder: model)
+    past = (
+        "past the model's vocab_size of 160 (config.json), while its tokenizer in "
+        f"{model} has 1,024 tokens: the embedding has no row for that id; give the model the tokenizer "
+        "it was trained with"
+    )
+    generated = run_cli("generate", config, "--base-only", "--prompt", "hi", "--device", "cpu")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(QLoRAModel, "from_pretrained", loaded)
+    for command, line in [
+        (run_cli("train", config), f"error: the largest token id in the data is 1,023, {past}"),
+        (run_cli("data", config), f"error: the largest token id in the data is 1,023, {past}"),
+        (generated, f"error: --prompt 1: its token id 1,023, {past}"),
+    ]:
+        code, _, err = command
+        lines = [text for text in err.splitlines() if text.strip()]
+        assert code == 2 and lines == [line] and "Traceback" not in err, err
+
+
+def test_a_pad_token_past_the_models_vocab_size_is_refused_though_the_data_fits(tmp_path):
+    """Plain segments (input_output adds no token) tokenize below id 1,021 of the demo's tokenizer; a model
+    of 1,022 rows holds them, but not the pad token the config picks, <|im_start|> (1,022)."""
+    data = tmp_path / "segments.jsonl"
+    data.write_text(
+        json.dumps({"segments": [{"text": "The capital of Peru is Lima.", "label": True}]}) + "\n"
+    )
+    config = load_config(
+        write_run(
+            tmp_path / "run",
+            model_writer=lambda folder: add_demo_tokenizer(write_qwen3(folder, vocab_size=1022)),
+            datasets=[{"path": str(data), "type": "input_output"}],
+            special_tokens={"pad_token": "<|im_start|>"},
+        )
+    )
+    with pytest.raises(
+        QLoraError,
+        match=r"^the pad_token '<\|im_start\|>' is token id 1,022, past the model's vocab_size of 1,022 ",
+    ):
+        build_run(config)
 
 
 def test_resume_refuses_a_changed_lora_shape(tmp_path):

@@ -29,7 +29,7 @@ from qlora_cli.core.wording import count, number
 from qlora_cli.data import prompts
 from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list
 from qlora_cli.sources.hub import resolve_dataset, snapshot_commit
-from qlora_cli.sources.run_tokenizer import dataset_template
+from qlora_cli.sources.run_tokenizer import check_token_id, dataset_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
 IGNORE_INDEX = -100
@@ -287,6 +287,14 @@ def _deduplicated(examples: list[Example]) -> list[Example]:
             seen.add(key)
             kept.append(example)
     return kept
+
+
+def check_token_ids(examples: Iterable[Example], tokenizer: ChatTokenizer, vocab_size: int) -> None:
+    """Every id a batch of these examples holds, the padding's too, has a row in the model's embedding."""
+    largest = max((max(example.input_ids) for example in examples), default=0)
+    check_token_id(tokenizer, vocab_size, largest, "the largest token id in the data is")
+    pad = f"the pad_token {tokenizer.pad_token!r} is token id"
+    check_token_id(tokenizer, vocab_size, tokenizer.pad_token_id, pad)
 
 
 def prepare_data(config: TrainConfig, tokenizer: ChatTokenizer) -> PreparedData:

@@ -18,7 +18,15 @@ from rich.text import Text
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import count, number
-from qlora_cli.data.examples import IGNORE_INDEX, BatchPlan, Example, ExampleList, dropped_text, prepare_data
+from qlora_cli.data.examples import (
+    IGNORE_INDEX,
+    BatchPlan,
+    Example,
+    ExampleList,
+    check_token_ids,
+    dropped_text,
+    prepare_data,
+)
 from qlora_cli.sources.hub import resolve_tokenizer
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -90,15 +98,16 @@ def _fill(plan: BatchPlan) -> float:
 def data_report(config: TrainConfig) -> DataReport:
     """Tokenize the config's datasets as a training run would, with no weights loaded."""
     folder = resolve_tokenizer(config.base_model, config.revision)
-    if (folder / "config.json").is_file():
-        spec = read_spec(folder)
-        if config.sequence_len > spec.max_position_embeddings:
-            raise QLoraError(
-                f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-                f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
-            )
+    spec = read_spec(folder) if (folder / "config.json").is_file() else None
+    if spec is not None and config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
+        )
     tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)
+    if spec is not None:
+        check_token_ids([*data.train, *data.validation], tokenizer, spec.vocab_size)
     plan = BatchPlan(
         data.train,
         micro_batch_size=config.micro_batch_size,

@@ -18,10 +18,7 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.files import write_json
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.hub import TOKENIZER_FILES
-from qlora_cli.sources.tokenizer import ChatTokenizer
-
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
+from qlora_cli.sources.tokenizer import CONFIG_FILE, TEMPLATE_FILE, ChatTokenizer
 
 
 def write_tokenizer(config: TrainConfig, base_folder: Path, folder: Path) -> None:

@@ -19,6 +19,7 @@ from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.prompts import Prompt, check_fits, gather_prompts, render_prompt
 from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem
 from qlora_cli.generate.source import GenerationSource, load_source
+from qlora_cli.sources.run_tokenizer import check_token_id
 
 
 def generate(
@@ -98,10 +99,11 @@ def generate(
 def _prompt_ids(
     loaded: GenerationSource, prompt: Prompt, raw: bool, system: str | None, console
 ) -> list[int]:
-    """The prompt's token ids, refused when they leave the model no room to answer, with a note when they
-    are longer than the rows the run trained on."""
+    """The prompt's token ids, refused when they leave the model no room to answer or hold an id its
+    embedding lacks, with a note when they are longer than the rows the run trained on."""
     ids = render_prompt(prompt, loaded.tokenizer, raw=raw, system=system, variables=loaded.template_variables)
     check_fits(prompt, ids, loaded.model.spec.max_position_embeddings)
+    check_token_id(loaded.tokenizer, loaded.model.spec.vocab_size, max(ids), f"{prompt.where}: its token id")
     if len(ids) > loaded.sequence_len:
         console.print(
             f"note: {prompt.where} is {count(len(ids), 'token')}, longer than the rows the run trained on "

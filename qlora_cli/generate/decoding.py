@@ -14,8 +14,9 @@ A decode step then feeds one token per row: the projections go through kernels.n
 one row reads the 4-bit codes directly (a Triton kernel launch per weight, plus one adding split-K
 partial sums) and at several rows dequantizes each weight and takes cuBLAS (faster on an H200, see
 that module); LoRA is two skinny products, attention reads the row's cached keys up to its own
-length, and a Gated DeltaNet layer advances its states in place. Rows keep their own lengths, so
-prompts of different lengths decode together without padding. On CUDA the step is captured once per
+length (within a sliding window, where the model has one), and a Gated DeltaNet layer advances its
+states in place. Rows keep their own lengths, so prompts of different lengths decode together without
+padding. On CUDA the step is captured once per
 batch size as a CUDA graph (fixed shapes, the cache preallocated, tokens and positions passed in
 tensors) and replayed; on the CPU it runs eagerly.
 """
@@ -242,6 +243,9 @@ class Decoder:
         """Feed tokens [B] at positions [B] (each row's length so far); returns next-token logits [B, vocab]
         (fp32). Only tensor ops with fixed shapes, so that a CUDA graph can capture it."""
         visible = cache.slots[None, :] <= positions[:, None]
+        if (window := self.model.spec.sliding_window) is not None:
+            # The `window` latest keys, the new one included, as the prefill's attention sees them.
+            visible &= cache.slots[None, :] > positions[:, None] - window
         positions = positions[:, None]
         caches = [
             RecurrentCache(cache, index, cache.batch, projections=projections)

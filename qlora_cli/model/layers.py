@@ -74,8 +74,9 @@ class LayerCache(Protocol):
 
     An attention layer's: `update` stores the pass's post-RoPE keys and values and returns those to
     attend over. In a prefill (`decoding` False) they are the packed prompts' own; in a decode step,
-    every cached key and value of each row, of which `visible` [rows, capacity] says which are the
-    row's so far. `projections` are the decode kernels' copies of this layer's projections.
+    every cached key and value of each row, of which `visible` [rows, capacity] says which the row's
+    query sees: its own so far, within the model's sliding window if it has one, as in the prefill.
+    `projections` are the decode kernels' copies of this layer's projections.
 
     A Gated DeltaNet layer's keeps `conv_state` [rows, channels, K] (the last K inputs of the conv)
     and `recurrent_state` [rows, Hv, Dk, Dv] (fp32); a decode step updates both in place, and a
@@ -298,7 +299,8 @@ class DecoderLayer(nn.Module):
             attn = timed(Op.ATTENTION, decode_attention, q, k, v, cache.visible)
         else:
             backend = choose_attention_backend(self.attention_backend, doc_ids)
-            attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend)
+            window = spec.sliding_window
+            attn = timed(Op.ATTENTION, attention, q, k, v, doc_ids, backend=backend, window=window)
         if gate is not None:
             attn = timed(Op.GATES, sigmoid_gate, attn.reshape(b, s, heads, head_dim), gate)
         return project.o(attn.reshape(b, s, spec.q_size))

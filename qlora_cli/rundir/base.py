@@ -1,10 +1,12 @@
 """The base model a checkpoint is read with: the folder it trained on, where its config names it, or where
 `--base-model` points after the folder moved or the run was copied to another machine.
 
-Each checkpoint records a fingerprint of its local base's weights (qlora_cli/sources/fingerprint.py);
-another folder stands for the base only when its weights match it, and the recorded folder itself is
-checked the same way, so weights changed in place are found too. A hub model is named by its repo id and
-the commit the checkpoint pinned, and found again by them as before.
+Each checkpoint records a fingerprint of its local base (qlora_cli/sources/fingerprint.py): its weights,
+what its config.json makes it compute, and its tokenizer files. Another folder stands for the base only
+when its weights and config.json match it, and the recorded folder itself is checked the same way, so
+changes in place are found too; another tokenizer or chat template is a note, since it changes only how
+text becomes ids. A hub model is named by its repo id and the commit the checkpoint pinned, and found
+again by them as before.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.rundir.checkpoint import read_trainer_state
-from qlora_cli.sources.fingerprint import weights_difference, weights_fingerprint
+from qlora_cli.sources.fingerprint import (
+    base_fingerprint,
+    config_difference,
+    tokenizer_difference,
+    weights_difference,
+)
 
-# The trainer_state.json key of the base's fingerprint.
+# The trainer_state.json key of the base's fingerprint (named when it held the weights' alone).
 BASE_WEIGHTS = "base_weights"
 BASE_MODEL_OPTION = "--base-model"
 
@@ -29,8 +36,8 @@ def is_local_base(base_model: str) -> bool:
 
 def check_base(checkpoint: Path, trained_on: str, base_model: str) -> list[str]:
     """base_model may be read as the local base folder `trained_on` of the checkpoint: it holds the weights
-    the checkpoint recorded. Returns the notes to print: a base found elsewhere, or one that could not be
-    checked against a checkpoint written before the record."""
+    and config.json the checkpoint recorded. Returns the notes to print: a base found elsewhere, other
+    tokenizer files, or what could not be checked against a checkpoint written before the record."""
     folder = Path(base_model).expanduser()
     if not folder.is_dir():
         if base_model == trained_on:
@@ -52,17 +59,33 @@ def check_base(checkpoint: Path, trained_on: str, base_model: str) -> list[str]:
             f"checkpoint {checkpoint} records no fingerprint of its base (written before qlora kept one), "
             f"so {folder} is used unchecked in place of {trained_on}"
         ]
-    difference = weights_difference(recorded, weights_fingerprint(folder))
-    if difference is None:
-        found = f"base model found at {folder}, with the weights checkpoint {checkpoint} trained on at {trained_on}"
-        return [found] if moved else []
-    if moved:
+    current = base_fingerprint(folder)
+    difference = weights_difference(recorded, current) or config_difference(recorded, current)
+    if difference is not None and moved:
         raise QLoraError(
             f"{folder} is not the base model checkpoint {checkpoint} trained on ({trained_on}): {difference}"
         )
-    raise QLoraError(
-        f"the base model {folder} changed since checkpoint {checkpoint} was written: {difference}"
-    )
+    if difference is not None:
+        raise QLoraError(
+            f"the base model {folder} changed since checkpoint {checkpoint} was written: {difference}"
+        )
+    notes = []
+    if moved:
+        notes.append(
+            f"base model found at {folder}, with the weights checkpoint {checkpoint} trained on at {trained_on}"
+        )
+    if "config" not in recorded:
+        if moved:
+            notes.append(
+                f"checkpoint {checkpoint} records no fingerprint of its base's config.json and tokenizer "
+                f"(written before qlora kept one), so those of {folder} are used unchecked"
+            )
+    elif (changed := tokenizer_difference(recorded, current)) is not None:
+        notes.append(
+            f"the tokenizer files of {folder} are not those checkpoint {checkpoint} trained with ({changed}): "
+            "text may become other token ids, or chats another prompt, than in training"
+        )
+    return notes
 
 
 def checkpoint_base(

@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 
 from qlora_cli.config.schema import DatasetConfig, TrainConfig
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import number
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
@@ -23,3 +25,15 @@ def dataset_template(tokenizer: ChatTokenizer, dataset: DatasetConfig, config: T
     if dataset.chat_template is not None or dataset.chat_template_jinja is not None:
         return choose_template(tokenizer, dataset.chat_template, dataset.chat_template_jinja)
     return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+
+
+def check_token_id(tokenizer: ChatTokenizer, vocab_size: int, token_id: int, what: str) -> None:
+    """The model's embedding has a row for `token_id` (`what` says where it comes from): a tokenizer
+    larger than config.json's vocab_size, another model's, writes ids the embedding lookup fails on."""
+    if token_id < vocab_size:
+        return
+    raise QLoraError(
+        f"{what} {number(token_id)}, past the model's vocab_size of {number(vocab_size)} (config.json), "
+        f"while its tokenizer in {tokenizer.source} has {number(tokenizer.vocab_size)} tokens: the embedding "
+        "has no row for that id; give the model the tokenizer it was trained with"
+    )

@@ -19,6 +19,12 @@ from tokenizers import AddedToken, Tokenizer
 
 from qlora_cli.core.errors import QLoraError
 
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+# Every file of a model folder that from_folder reads.
+FILES_READ = (TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE)
+
 
 def _token_text(value: Any) -> str | None:
     """Special tokens are written either as plain strings or as AddedToken dicts with a "content" key."""
@@ -125,7 +131,7 @@ class ChatTokenizer:
     def from_folder(cls, path: str | Path) -> ChatTokenizer:
         """Load a model folder's tokenizer.json, with tokenizer_config.json and chat_template.jinja when present."""
         folder = Path(path)
-        tokenizer_file = folder / "tokenizer.json"
+        tokenizer_file = folder / TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise QLoraError(
                 f"{folder}: no tokenizer.json (only fast tokenizers in tokenizer.json are supported)"
@@ -135,11 +141,11 @@ class ChatTokenizer:
         except Exception as error:
             raise QLoraError(f"{tokenizer_file}: cannot load tokenizer ({_one_line(error)})") from None
 
-        config_file = folder / "tokenizer_config.json"
+        config_file = folder / CONFIG_FILE
         config = _read_json(config_file) if config_file.is_file() else {}
         _add_declared_tokens(tokenizer, config.get("added_tokens_decoder"), config_file)
 
-        template_file = folder / "chat_template.jinja"
+        template_file = folder / TEMPLATE_FILE
         if template_file.is_file():
             try:
                 template = template_file.read_text(encoding="utf-8")

@@ -168,6 +168,11 @@ class ModelSpec:
             **mlp,
         }
 
+    def projection_names(self) -> tuple[str, ...]:
+        """Every projection the model's layers have, in layer order: what LoRA can target in this model."""
+        kinds = dict.fromkeys(self.layer_types)
+        return tuple(dict.fromkeys(name for kind in kinds for name in self.projection_shapes(kind)))
+
     def layer_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer, named below `model.layers.N.`, with their shapes."""
         kind = self.layer_types[layer]

@@ -198,7 +198,7 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
         "trackers": trackers.state(),
         "run_id": run.run_id,
         "data_files": run.data_files,
-        BASE_WEIGHTS: run.base_weights,
+        BASE_WEIGHTS: run.base_fingerprint,
     }
     folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:

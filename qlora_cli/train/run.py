@@ -17,7 +17,7 @@ import torch
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import number
-from qlora_cli.data.examples import BatchPlan, prepare_data
+from qlora_cli.data.examples import BatchPlan, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import head_size_problem
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
@@ -25,7 +25,7 @@ from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, se
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.base import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
-from qlora_cli.sources.fingerprint import weights_fingerprint
+from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -54,7 +54,7 @@ class Run:
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
     data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
-    base_weights: dict | None = None  # the fingerprint of a local base's weights (rundir/base.py)
+    base_fingerprint: dict | None = None  # a local base's weights, config and tokenizer (rundir/base.py)
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod
@@ -119,12 +119,15 @@ def build_run(
     notes = list(config.notes)
     if (skipped := locate_tensors(folder, spec).note()) is not None:
         notes.append(skipped)
-    base_weights = weights_fingerprint(folder) if is_local_base(config.base_model) else None
+    fingerprint = base_fingerprint(folder) if is_local_base(config.base_model) else None
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
+    _check_targets(config, spec)
     data_start = time.perf_counter()
     config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
+    evaluated = eval_plan.examples if eval_plan else []
+    check_token_ids([*train_plan.examples, *evaluated], tokenizer, spec.vocab_size)
     # The schedule counts the train plan's batches; the memory plan decides how the model is built.
     total_steps, eval_every, save_every = _schedule(config, train_plan, eval_plan, dist.world_size, notes)
     plan = _plan_memory(config, spec, dist.world_size, dist.device, notes)
@@ -153,7 +156,7 @@ def build_run(
         save_every=save_every,
         startup_s={"data": data_s, "model": model_s},
         data_files=data_files,
-        base_weights=base_weights,
+        base_fingerprint=fingerprint,
     )
 
 
@@ -163,11 +166,24 @@ def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
             f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
             f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
         )
-    # Within a window as long as the row, sliding-window attention is plain causal attention.
+    # Within a window as long as the row, sliding-window attention is plain causal attention; a shorter
+    # window would take the torch path of qlora_kernels.attention, which generation uses past the window.
     if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
         raise QLoraError(
             f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
-            f"qlora's attention has no sliding window; set sequence_len <= {number(spec.sliding_window)}"
+            "qlora's training attention has no sliding window; "
+            f"set sequence_len <= {number(spec.sliding_window)}"
+        )
+
+
+def _check_targets(config: TrainConfig, spec: ModelSpec) -> None:
+    """The targets must name a projection this model has: a list of another family's names (Qwen3.5's
+    in_proj_qkv on a Llama) would leave LoRA nothing to train."""
+    projections = spec.projection_names()
+    if not set(config.target_modules) & set(projections):
+        raise QLoraError(
+            f"config key 'lora_target_modules': {', '.join(config.target_modules)} names no projection of "
+            f"this {spec.model_type} model; its layers have {', '.join(projections)}"
         )
 
 
