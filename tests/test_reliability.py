@@ -548,7 +548,7 @@ def test_a_base_whose_config_json_computes_otherwise_is_refused_naming_the_field
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     del state["base_weights"]["config"], state["base_weights"]["tokenizer"]
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    (checkpoint / "manifest.json").unlink()  # as checkpoints written before either
+    as_written_before_manifests(checkpoint)  # as checkpoints written before either
     code, _, err = run_cli(*generate, "--base-model", theta)
     assert code == 0, err
     assert (
