@@ -41,7 +41,9 @@ from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import write_config_checkpoint
 from benchmarks.rows import write_jsonl
 from benchmarks.shapes import model_config
+from qlora_cli.rundir.names import METRICS_FILE
 from qlora_cli.sources.chat_templates import SHIPPED
+from qlora_cli.train.progress import logged_records
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "demo")
@@ -106,10 +108,8 @@ def write_recipe_rows(out: Path, dataset: dict, rows: int) -> Path:
 
 
 def _metrics(output_dir: Path) -> list[dict]:
-    path = output_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "trained_tokens" in r]
+    """The step records so far; read while the run writes them, or after it was killed mid-line."""
+    return [r for r in logged_records(output_dir / METRICS_FILE) if "trained_tokens" in r]
 
 
 def _tokens_per_s(steps: list[dict]) -> float | None:
