@@ -87,6 +87,23 @@ def _check_inputs(q, k, v, doc_ids):
         )
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous. torch 2.11's cuDNN attention
+    (sdpa's first choice on Hopper) keeps the plan its first backward at a shape built, with that
+    gradient's strides: a later gradient laid out otherwise is read as if it had them (on an H200,
+    dq, dk and dv 1.4 off, and illegal memory accesses). kernels.linear hands the o projection's
+    input gradient on as a row-strided view, an FP8 or LoRA-free o contiguously, so one process
+    can meet both. A copy of the gradient costs far less than the attention."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def attention_sdpa(q, k, v, doc_ids=None, scale=None):
     """torch's fused attention on the same inputs, for comparison and as an alternative backend."""
     group = q.shape[2] // k.shape[2]
@@ -98,7 +115,7 @@ def attention_sdpa(q, k, v, doc_ids=None, scale=None):
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
         mask = _allowed_mask(q.shape[1], doc_ids, q.device)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2).contiguous()
+    return _ContiguousGradient.apply(out.transpose(1, 2).contiguous())
 
 
 @functools.cache

@@ -92,6 +92,28 @@ def test_sdpa_backend_matches_reference(with_docs):
     torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_sdpa_backward_is_handed_a_contiguous_gradient(with_docs, monkeypatch):
+    """Whatever layout the gradient arrives in, torch's attention backward receives it contiguous
+    in the layout of its own output: cuDNN attention reads a later call's gradient with the first
+    one's strides (kernels.attention._ContiguousGradient; the GPU test below measures the harm)."""
+    fused, q, k, v = _qkv_views(1, 40, 6, 2, 16)
+    doc_ids = _packed_doc_ids(1, 40, torch.Generator().manual_seed(2)) if with_docs else None
+    layouts = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        out.register_hook(lambda grad: layouts.append(grad.transpose(1, 2).is_contiguous()))
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    joined = torch.randn(1, 40, 6 * 16 + 4)
+    strided = joined[..., : 6 * 16].view(q.shape)
+    _output_and_grads(lambda *a: attention(*a, backend="sdpa"), fused, q, k, v, doc_ids, strided)
+    assert layouts == [True]
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_a_window_shorter_than_the_row_matches_the_reference_windowed(with_docs, window):
@@ -280,6 +302,34 @@ def test_triton_bf16_family_shapes(family, with_docs):
         sdpa_grad_err,
         grad_scale,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
+@pytest.mark.parametrize("family", sorted(FAMILY_HEADS))
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_backward_takes_a_row_strided_gradient(backend, family, with_docs):
+    """The o projection hands attention its input gradient as a row-strided view (kernels.linear forms
+    LoRA's rank columns in the same GEMM), or contiguous (FP8, or no LoRA on o). In one process, each
+    backend's gradients from the view equal those from the same values contiguous, up to the order of
+    bf16 sums (2^-8 of each value, where a kernel sums with atomics). A backend that reuses the first
+    call's layout for the second (cuDNN attention keeps its plan) is off by about sqrt(2)."""
+    heads = FAMILY_HEADS[family]
+    batch, seq_len, width = 1, 2048, heads["n_q_heads"] * heads["head_dim"]
+    fused, q, k, v = _qkv_views(batch, seq_len, **heads, dtype=torch.bfloat16, device="cuda")
+    doc_ids = _packed_doc_ids(batch, seq_len, torch.Generator().manual_seed(3)).cuda() if with_docs else None
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    joined = torch.randn(batch, seq_len, width + 16, generator=generator, device="cuda", dtype=torch.bfloat16)
+    strided = joined[..., :width].view(q.shape)
+    assert not strided.is_contiguous()
+
+    def run(*inputs):
+        return attention(*inputs, backend=backend)
+
+    _, from_strided = _output_and_grads(run, fused, q, k, v, doc_ids, strided)
+    _, from_contiguous = _output_and_grads(run, fused, q, k, v, doc_ids, strided.contiguous())
+    error = float((from_strided.float() - from_contiguous.float()).norm() / from_contiguous.float().norm())
+    assert error < 2.0**-7, f"{backend}: gradients from a row-strided view are {error:.3g} off"
 
 
 @pytest.mark.gpu

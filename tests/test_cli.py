@@ -184,8 +184,8 @@ def test_done_and_resuming_lines_stay_whole_in_captured_output_however_long_the_
 
 
 def test_fp8_is_refused_before_loading(tmp_path, run_cli):
-    """fp8: true is one line and no run folder content, wherever it runs: its GPU gradients are wrong
-    today, and it is never silently bf16 either."""
+    """fp8: true is one line and no run folder content, wherever it runs, until its GPU checks pass;
+    it is never silently bf16 either."""
     config = write_run(tmp_path / "run", fp8=True)
     code, _, err = run_cli("train", config)
     line = _one_error_line(err)
