@@ -2,25 +2,32 @@
 qlora trains, and replayed as a CUDA graph with LoRA dropout and offloaded activations."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from checkpoints import draw_lora_b
 
+import qlora_kernels.linear
 from benchmarks.random_checkpoint import random_tensors
 from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.sources.weights import spec_from_config
 from qlora_cli.train.graphs import GraphedLoss
 from qlora_cli.train.step import micro_batch_backward
+from qlora_kernels.nf4 import dequantize_nf4_reference
 
 pytestmark = pytest.mark.gpu
 
 # Qwen3.5 needs four layers for one full-attention layer among its Gated DeltaNet ones.
 SHAPES = {"qwen2.5-7b": 2, "llama-3.1-8b": 2, "qwen3.5-9b": 4}
-# One e4m3 product: each operand off by at most 2^-4 of itself, uniformly, so 2^-4 / sqrt(3) rms,
-# and sqrt(2) of that for the two; independent products along a gradient's path add in quadrature.
-PRODUCT_RMS = math.sqrt(2) * 2.0**-4 / math.sqrt(3)
+# e4m3 keeps 3 mantissa bits: rounded to nearest, each operand is off by at most 2^-4 of itself.
+E4M3_RELATIVE = 2.0**-4
+# One e4m3 product: each operand off by 2^-4 / sqrt(3) rms (uniformly), sqrt(2) of that for the two.
+PRODUCT_RMS = math.sqrt(2) * E4M3_RELATIVE / math.sqrt(3)
+# Two draws of errors of one size, through the same model, differ by their sampling (a few tens of
+# percent at these sizes): the FP8 step may be this much further from bf16 than the modelled one.
+SAMPLING = 1.5
 
 
 def _model(shape: str, fp8: bool, **options) -> QLoRAModel:
@@ -51,13 +58,42 @@ def _loss_and_grads(model, batch):
     return float(loss_sum / count), grads
 
 
-def _fp8_products(model) -> int:
-    """Forward and input-gradient products of every frozen projection group."""
-    return 2 * sum(len(layer.projections) for layer in model.layers)
+class _RoundingModel:
+    """Each frozen product as e4m3's rounding is modelled: exact (fp32, the same NF4 weights), with
+    every operand element off by a uniform relative error of at most 2^-4. A weight's errors are drawn
+    once for each of its two layouts (the forward's row scales, the input gradient's column scales),
+    as its e4m3 copies are rounded once; the activations' and gradients' at every call."""
+
+    def __init__(self, seed: int = 5):
+        self.generator = torch.Generator(device="cuda").manual_seed(seed)
+        self.weights: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _rounded(self, values: torch.Tensor) -> torch.Tensor:
+        uniform = torch.rand(values.shape, generator=self.generator, device=values.device) * 2 - 1
+        return values * (1 + E4M3_RELATIVE * uniform)
+
+    def _weight(self, weights, layout: str) -> torch.Tensor:
+        key = (id(weights[0]), layout)
+        if key not in self.weights:
+            dense = torch.cat([dequantize_nf4_reference(replace(w, dtype=torch.float32)) for w in weights])
+            self.weights[key] = self._rounded(dense)
+        return self.weights[key]
+
+    def linear(self, x, weights, scales, buffer=None, bias=None):
+        out = self._rounded(x.float()) @ self._weight(weights, "rows").T
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    def input_grad(self, dy, weights, scales, buffer=None):
+        return (self._rounded(dy.float()) @ self._weight(weights, "columns")).to(dy.dtype)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_fp8_step_follows_the_bf16_step(shape):
+def test_fp8_step_follows_the_bf16_step(shape, monkeypatch):
+    """The FP8 step's LoRA gradients are as far from the bf16 step's as those of a step whose frozen
+    products carry e4m3's rounding as modelled (_RoundingModel), up to SAMPLING. Both distances grow
+    with the model's own amplification of small errors: about twice per Gated DeltaNet layer in the
+    random Qwen3.5 (benchmarks/RESULTS.md), so no fixed bound fits every family. A scale on the wrong
+    axis, a stale buffer or a NaN leaves the FP8 step further off than rounding can."""
     bf16 = _model(shape, fp8=False)
     batch = _batch(bf16.spec.vocab_size)
     want_loss, want = _loss_and_grads(bf16, batch)
@@ -66,13 +102,23 @@ def test_fp8_step_follows_the_bf16_step(shape):
     model = _model(shape, fp8=True)
     assert all(group.fp8 is not None for layer in model.layers for group in layer.projections.values())
     loss, grads = _loss_and_grads(model, batch)
-    bound = PRODUCT_RMS * math.sqrt(_fp8_products(model))
-    assert abs(loss - want_loss) / want_loss < PRODUCT_RMS
+    rounding = _RoundingModel()
+    monkeypatch.setattr(qlora_kernels.linear, "fp8_linear", rounding.linear)
+    monkeypatch.setattr(qlora_kernels.linear, "fp8_input_grad", rounding.input_grad)
+    _, modelled = _loss_and_grads(model, batch)
     assert loss != want_loss, "the frozen products did not run in e4m3"
-    errors = {name: float((grads[name] - grad).norm() / grad.norm()) for name, grad in want.items()}
-    worst = max(errors, key=lambda name: errors[name] if math.isfinite(errors[name]) else math.inf)
+    assert abs(loss - want_loss) / want_loss < PRODUCT_RMS
+
+    def distances(result):
+        return {name: float((result[name] - grad).norm() / grad.norm()) for name, grad in want.items()}
+
+    errors, modelled_errors = distances(grads), distances(modelled)
     assert all(math.isfinite(e) for e in errors.values()), f"non-finite gradients: {errors}"
-    assert errors[worst] < bound, f"{worst}: relative gradient error {errors[worst]:.3g}, bound {bound:.3g}"
+    assert max(modelled_errors.values()) < 1, "the modelled rounding leaves gradients uncorrelated"
+    worst = max(errors, key=lambda name: errors[name] / modelled_errors[name])
+    assert errors[worst] < SAMPLING * modelled_errors[worst], (
+        f"{worst}: relative gradient error {errors[worst]:.3g}, modelled e4m3 rounding {modelled_errors[worst]:.3g}"
+    )
 
 
 def test_fp8_step_replays_as_a_cuda_graph_with_dropout_and_offload(deterministic_algorithms):
