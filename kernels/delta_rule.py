@@ -654,11 +654,13 @@ if TRITON_AVAILABLE:
         BLOCK_V: tl.constexpr,
         HAS_FINAL_GRAD: tl.constexpr,
         STORE_INITIAL_GRAD: tl.constexpr,
+        ADD_BLOCKS: tl.constexpr,
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32. Per chunk it writes
-        d delta (its own v columns) and this Dv block's share of dq, dk, dW and db, which the
-        launcher sums over the blocks (the intra-chunk terms come later, in _chunk_bwd_intra_kernel).
-        dk is formed as dk^T = dS delta^T, dS untransposed (see the NOTE on the Hopper miscompile)."""
+        d delta (its own v columns) and this Dv block's share of dq, dk, dW and db: added into one
+        fp32 sum with atomics (ADD_BLOCKS), or stored apart for the launcher to sum in a fixed order
+        (the intra-chunk terms come later, in _chunk_bwd_intra_kernel). dk is formed as
+        dk^T = dS delta^T, dS untransposed (see the NOTE on the Hopper miscompile)."""
         v_block = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
@@ -676,7 +678,7 @@ if TRITON_AVAILABLE:
             )
         else:
             ds = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-        partial = v_block.to(tl.int64) * batches * seq
+        partial = 0 if ADD_BLOCKS else v_block.to(tl.int64) * batches * seq
         n_chunks = tl.cdiv(seq, CHUNK)
         # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
         k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
@@ -726,12 +728,19 @@ if TRITON_AVAILABLE:
                 at_last, tl.sum(dk_terms, axis=0) + decay * tl.sum(tl.sum(s0 * ds, axis=1), axis=0), 0.0
             )
             partial_first = partial * v_heads + first
-            tl.store(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask)
             dk_mask = (dims < k_dim)[:, None] & valid[None, :]
-            tl.store(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask)
             w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
-            tl.store(dw_ptr + partial_first * k_dim + k_tile, -_mma(ddelta, tl.trans(s0), dot), mask=k_mask)
-            tl.store(db_ptr + partial_first + local * v_heads, db, mask=valid)
+            dw = -_mma(ddelta, tl.trans(s0), dot)
+            if ADD_BLOCKS:
+                tl.atomic_add(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask, sem="relaxed")
+                tl.atomic_add(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask, sem="relaxed")
+                tl.atomic_add(dw_ptr + partial_first * k_dim + k_tile, dw, mask=k_mask, sem="relaxed")
+                tl.atomic_add(db_ptr + partial_first + local * v_heads, db, mask=valid, sem="relaxed")
+            else:
+                tl.store(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask)
+                tl.store(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask)
+                tl.store(dw_ptr + partial_first * k_dim + k_tile, dw, mask=k_mask)
+                tl.store(db_ptr + partial_first + local * v_heads, db, mask=valid)
             ds = (
                 ds * decay + _mma(tl.trans(q * read_scale[:, None]), do, dot) - _mma(tl.trans(w), ddelta, dot)
             )
@@ -1244,9 +1253,15 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     device = v.device
     do = _unit_last_stride(do)
     ddelta = torch.empty(u.shape, dtype=w.dtype, device=device)
-    dq_part = torch.empty(n_v_blocks, batch, seq, v_heads, k_dim, dtype=torch.float32, device=device)
-    dk_part, dw_part = torch.empty_like(dq_part), torch.empty_like(dq_part)
-    db_part = torch.empty(n_v_blocks, batch, seq, v_heads, dtype=torch.float32, device=device)
+    # Several Dv blocks add their shares into one fp32 sum with atomics; under deterministic
+    # algorithms each keeps its own, summed in block order (n_v_blocks times the memory).
+    add_blocks = n_v_blocks > 1 and not torch.are_deterministic_algorithms_enabled()
+    parts = 1 if add_blocks else n_v_blocks
+    new_part = torch.zeros if add_blocks else torch.empty
+    dq_part, dk_part, dw_part = (
+        new_part(parts, batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(3)
+    )
+    db_part = new_part(parts, batch, seq, v_heads, dtype=torch.float32, device=device)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else ddelta
     _chunk_scan_bwd_kernel[(n_v_blocks, batch, v_heads)](
         q,
@@ -1282,10 +1297,11 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         BLOCK_V=block_v,
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
+        ADD_BLOCKS=add_blocks,
         num_warps=_WARPS,
         num_stages=_SCAN_STAGES,
     )
-    dq, dk, dw, db = dq_part.sum(0), dk_part.sum(0), dw_part.sum(0), db_part.sum(0)
+    dq, dk, dw, db = (part[0] if parts == 1 else part.sum(0) for part in (dq_part, dk_part, dw_part, db_part))
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=device)
     _chunk_bwd_intra_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
