@@ -20,7 +20,6 @@ BF16 = 2
 FP32 = 4
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
 HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
-DELTA_RULE_VALUE_BLOCK = 32  # value columns per program of the delta rule's scans (kernels/delta_rule.py)
 
 
 @dataclass(frozen=True)
@@ -125,12 +124,12 @@ def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
     """The fp32 tables the delta rule's backward builds for one Gated DeltaNet layer (kernels/delta_rule.py,
     _chunk_forward with store_states and _chunk_backward), per value head and token: the chunk solve
     and q·k tables (2 × CHUNK), w, u, the corrections and their gradient (Dk + 3 Dv), the state entering
-    each chunk (Dk·Dv / CHUNK), the per-value-block partial dq, dk, dw and db and their sums; and the
-    normalised q and k per key head."""
+    each chunk (Dk·Dv / CHUNK), dq, dk, dw and db, which the value blocks add into one sum; and the
+    normalised q and k per key head. (Under deterministic algorithms each block keeps its own share
+    of the four, which this does not count.)"""
     linear = spec.linear_attention
     k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
-    blocks = -(-v_dim // DELTA_RULE_VALUE_BLOCK)
-    per_value_head = 2 * CHUNK + k_dim + 3 * v_dim + k_dim * v_dim / CHUNK + (blocks + 1) * (3 * k_dim + 1)
+    per_value_head = 2 * CHUNK + k_dim + 3 * v_dim + k_dim * v_dim / CHUNK + 3 * k_dim + 1
     per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim
     return int(tokens * per_token * FP32)
 
