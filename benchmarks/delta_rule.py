@@ -1,20 +1,25 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--json FILE]
-Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) of
-kernels.delta_rule.gated_delta_rule, of fla's chunk_gated_delta_rule when it imports (its backward
-refuses on Hopper with triton < 3.7.1; the row then says so) and of transformers'
-torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document
-and (ours only) packed with documents of 512 tokens.
+Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--fixed-order] [--json FILE]
+Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
+forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
+chunk_gated_delta_rule when it imports (its backward refuses on Hopper with triton < 3.7.1; the row
+then says so) and of transformers' torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768
+tokens, each a single document and (ours only) packed with documents of 512 tokens.
+`--value-blocks` also times ours with the scans' value columns per program set to each size (our
+default is kernels.delta_rule._block_v); `--fixed-order` runs everything under deterministic
+algorithms, where our backward keeps each value block's share apart instead of adding them with atomics.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 
 import torch
 
+import qlora_kernels.delta_rule as delta_rule_module
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
 from qlora_kernels.delta_rule import gated_delta_rule
@@ -37,6 +42,18 @@ def inputs(batch: int, seq: int) -> list[torch.Tensor]:
 
 def ours(doc_ids: torch.Tensor | None) -> Callable:
     return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+
+
+@contextlib.contextmanager
+def value_block(columns: int | None):
+    """Our scans with `columns` value columns per program (None: our default) while timing."""
+    default = delta_rule_module._block_v
+    if columns is not None:
+        delta_rule_module._block_v = lambda v_dim: min(columns, delta_rule_module._block(v_dim))
+    try:
+        yield
+    finally:
+        delta_rule_module._block_v = default
 
 
 def fla_chunk() -> Callable | None:
@@ -77,37 +94,56 @@ def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
         except Exception as error:  # noqa: BLE001 - reported in the table, not fatal
             result[name] = None
             result[f"{name} error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    if result["fwd+bwd"] is not None:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        result["fwd+bwd peak MiB"] = (torch.cuda.max_memory_allocated() - before) / 2**20
     torch.cuda.empty_cache()
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--value-blocks",
+        default="",
+        help="also time ours at these value columns per scan program, e.g. 16,64",
+    )
+    parser.add_argument(
+        "--fixed-order", action="store_true", help="run under deterministic algorithms (no atomics)"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
+    torch.use_deterministic_algorithms(args.fixed_order, warn_only=True)
+    value_blocks = [int(columns) for columns in args.value_blocks.split(",") if columns]
     results = []
     for batch, seq in SHAPES:
         leaves = inputs(batch, seq)
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
         implementations = {
-            "ours": ours(None),
-            f"ours, packed {PACKED_LENGTH}": ours(doc_ids),
-            "fla chunk_gated_delta_rule": fla_chunk(),
-            "transformers torch_chunk_gated_delta_rule": transformers_chunk(),
+            "ours": (ours(None), None),
+            f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None),
+            **{f"ours, {columns} value columns a program": (ours(None), columns) for columns in value_blocks},
+            "fla chunk_gated_delta_rule": (fla_chunk(), None),
+            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), None),
         }
         rows = {}
-        for name, fn in implementations.items():
-            rows[name] = (
-                time_one(fn, leaves)
-                if fn is not None
-                else {"fwd": None, "fwd+bwd": None, "error": "not importable"}
-            )
+        for name, (fn, columns) in implementations.items():
+            if fn is None:
+                rows[name] = {"fwd": None, "fwd+bwd": None, "error": "not importable"}
+                continue
+            with value_block(columns):
+                rows[name] = time_one(fn, leaves)
         base = rows["ours"]
         print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
         print(
             f"{'implementation':45s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd vs ours':>12s} {'f+b vs ours':>12s}"
+            f" {'f+b peak MiB':>13s}"
         )
         for name, row in rows.items():
             cells = []
@@ -117,12 +153,16 @@ def main() -> None:
             for key in ("fwd", "fwd+bwd"):
                 ok = row[key] is not None and base[key]
                 ratios.append(f"{row[key] / base[key]:.2f}x" if ok else "-")
-            print(f"{name:45s} {cells[0]:>9s} {cells[1]:>11s} {ratios[0]:>12s} {ratios[1]:>12s}")
+            peak = row.get("fwd+bwd peak MiB")
+            peak_cell = f"{peak:.0f}" if peak is not None else "-"
+            print(
+                f"{name:45s} {cells[0]:>9s} {cells[1]:>11s} {ratios[0]:>12s} {ratios[1]:>12s} {peak_cell:>13s}"
+            )
             for key, value in row.items():
                 if "error" in key:
                     print(f"    {key}: {value}")
         results.append({"batch": batch, "seq": seq, "implementations": rows})
-    write_json(args.json, "benchmarks.delta_rule", {"shapes": results})
+    write_json(args.json, "benchmarks.delta_rule", {"fixed_order": args.fixed_order, "shapes": results})
 
 
 if __name__ == "__main__":
