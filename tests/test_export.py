@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_file
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
-from qlora_cli.export.command import export, parse_size, training_dtype
+from qlora_cli.export.command import export
+from qlora_cli.export.merge import training_dtype
+from qlora_cli.export.shards import parse_size
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import compute_dtype, lora_config
 from qlora_cli.rundir.adapter import load_adapter_state

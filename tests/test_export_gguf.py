@@ -425,10 +425,10 @@ def test_llama_cpp_computes_the_merged_model(tmp_path, kind, gguf_type):
 
 def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
     """Each merged tensor reaches the file before the next is read, so memory stays near one tensor."""
-    import qlora_cli.export.command as export_module
+    import qlora_cli.export.gguf_folder as gguf_folder
 
     run = _make_run(tmp_path, "qwen2")
-    merged_tensors, sizes = export_module.merged_tensors, []
+    merged_tensors, sizes = gguf_folder.merged_tensors, []
 
     def watched(*args):
         for name, tensor in merged_tensors(*args):
@@ -436,7 +436,7 @@ def test_tensors_are_written_as_they_stream_past(tmp_path, monkeypatch):
             sizes.append(partial.stat().st_size)
             yield name, tensor
 
-    monkeypatch.setattr(export_module, "merged_tensors", watched)
+    monkeypatch.setattr(gguf_folder, "merged_tensors", watched)
     out = export(run, tmp_path / "g", gguf=True).out
     embedding = VOCAB * 64 * 2
     assert sizes == sorted(sizes) and sizes[-1] - sizes[0] > embedding
