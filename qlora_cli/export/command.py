@@ -34,9 +34,10 @@ from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import PREFIX, adapter_config, adapter_state_dict, load_adapter_state
 from qlora_cli.rundir.base import checkpoint_base
-from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE, names_a_checkpoint_folder
+from qlora_cli.rundir.trainer_state import TrainerState, is_checkpoint, read_trainer_state
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import (
@@ -96,7 +97,7 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
-    if (path / STATE_FILE).is_file():
+    if is_checkpoint(path):
         return path
     found = (
         usable_checkpoint(path, lambda found: f"export it with `qlora export {found} --out …`")
@@ -110,14 +111,14 @@ def find_checkpoint(path: Path) -> Path:
     return found
 
 
-def training_dtype(state: dict) -> torch.dtype:
+def training_dtype(state: TrainerState) -> torch.dtype:
     """The compute dtype the run trained in, as the checkpoint's trainer state records it.
 
     `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
     gives that dtype back, so the weights the adapter learned against are
     dequantize_nf4(quantize_nf4(W.to(compute dtype))).
     """
-    name = state.get("compute_dtype")
+    name = state.compute_dtype
     if name not in DTYPES:
         raise QLoraError(f"{STATE_FILE} does not record the run's compute dtype; --base nf4 needs it")
     return DTYPES[name]
