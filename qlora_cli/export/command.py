@@ -317,7 +317,7 @@ def _last(metrics: list[dict], key: str) -> dict | None:
 
 def model_card(
     config: TrainConfig,
-    state: dict,
+    state: TrainerState,
     *,
     merged: bool,
     dtype: str | None,
@@ -329,11 +329,11 @@ def model_card(
     revision = f" at revision `{config.revision}`" if config.revision else ""
     lora = lora_config(config)
     data = ", ".join(f"`{d.path}` ({d.type})" for d in config.datasets)
-    metrics = state.get("metrics") or []
+    metrics = state.metrics or []
     rows = [
         ("base model", f"`{config.base_model}`{revision}"),
         ("data", data),
-        ("steps", f"{state['step']} of {state.get('total_steps', state['step'])}"),
+        ("steps", f"{state.step} of {state.step if state.total_steps is None else state.total_steps}"),
     ]
     train_record, eval_record = _last(metrics, "loss"), _last(metrics, "eval_loss")
     if train_record:
