@@ -29,7 +29,8 @@ from qlora_cli.export.shards import parse_size
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import compute_dtype, lora_config
 from qlora_cli.rundir.adapter import load_adapter_state
-from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state, save_checkpoint
+from qlora_cli.rundir.checkpoint import read_checkpoint_config, save_checkpoint
+from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import read_spec
@@ -84,7 +85,7 @@ def make_run(folder: Path, kind: str, *, writer=None, **settings) -> Path:
     optimizer = torch.optim.AdamW(model.trainable_parameters())
     metrics = [{"step": STEPS, "loss": 2.5, "eval_loss": 2.75}]
     dtype = str(compute_dtype(config, torch.device("cpu"))).removeprefix("torch.")
-    state = {"step": STEPS, "total_steps": STEPS, "metrics": metrics, "compute_dtype": dtype}
+    state = TrainerState(STEPS, total_steps=STEPS, metrics=metrics, compute_dtype=dtype)
     save_checkpoint(Path(config.output_dir), STEPS, model, optimizer, state, config)
     return Path(config.output_dir)
 
@@ -289,9 +290,9 @@ def test_nf4_base_is_the_round_trip_in_the_training_dtype(tmp_path, reference_op
 def test_training_dtype_is_what_the_run_recorded(tmp_path):
     result = train(load_config(write_run(tmp_path / "run", max_steps=1, bf16=True)))
     state = read_trainer_state(result.checkpoint)
-    assert state["compute_dtype"] == "bfloat16" and training_dtype(state) == torch.bfloat16
+    assert state.compute_dtype == "bfloat16" and training_dtype(state) == torch.bfloat16
     with pytest.raises(QLoraError, match="does not record the run's compute dtype"):
-        training_dtype({"step": 1})
+        training_dtype(TrainerState(1))
 
 
 def test_small_shards_hold_every_tensor_once(tmp_path):

@@ -38,6 +38,7 @@ from qlora_cli.generate.source import load_source, stop_ids
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config, select_device
 from qlora_cli.rundir.checkpoint import save_checkpoint
+from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
@@ -106,7 +107,7 @@ def random_run(folder: Path, kind: str = "qwen3") -> Path:
     with torch.no_grad():
         for param in model.trainable_parameters():
             param.add_(0.2 * torch.randn(param.shape, generator=generator))
-    state = {"step": 1, "total_steps": 1, "metrics": [], "compute_dtype": "float32"}
+    state = TrainerState(1, total_steps=1, compute_dtype="float32")
     optimizer = torch.optim.AdamW(model.trainable_parameters())
     save_checkpoint(Path(config.output_dir), 1, model, optimizer, state, config)
     return Path(config.output_dir)

@@ -39,12 +39,12 @@ from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     list_checkpoints,
     read_checkpoint_config,
-    read_trainer_state,
     run_checkpoints,
     save_checkpoint,
 )
 from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owner_run, run_lock, space_needed
 from qlora_cli.rundir.names import LOCK_FILE, RUN_FILE
+from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.fingerprint import base_fingerprint, config_difference
 from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
@@ -159,10 +159,10 @@ def test_rotation_resume_and_export_never_take_another_runs_checkpoints(tmp_path
     config, model, optimizer = _tiny_model(tmp_path)
     out = tmp_path / "out"
     for step in (10, 12):
-        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "old"}, config)
+        save_checkpoint(out, step, model, optimizer, TrainerState(step, run_id="old"), config)
     config.save_total_limit = 2
     for step in (2, 4, 6):
-        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "new"}, config)
+        save_checkpoint(out, step, model, optimizer, TrainerState(step, run_id="new"), config)
     names = sorted(p.name for p in out.glob("checkpoint-*"))
     assert names == ["checkpoint-10", "checkpoint-12", "checkpoint-4", "checkpoint-6"]
     (out / RUN_FILE).write_text(json.dumps({"run_id": "new"}))
@@ -176,7 +176,7 @@ def test_a_checkpoint_whose_state_cannot_be_read_belongs_to_no_run(tmp_path):
     config, model, optimizer = _tiny_model(tmp_path)
     out = tmp_path / "out"
     for step in (2, 4):
-        save_checkpoint(out, step, model, optimizer, {"step": step, "run_id": "mine"}, config)
+        save_checkpoint(out, step, model, optimizer, TrainerState(step, run_id="mine"), config)
     (out / "checkpoint-4" / "trainer_state.json").write_text("{not json")
     assert owner_run(out) == "mine"
     assert run_checkpoints(out, "mine") == [(2, out / "checkpoint-2")]
@@ -645,7 +645,7 @@ def test_resume_with_a_corrupt_newest_checkpoint_names_the_one_to_use(tmp_path, 
     assert checkpoint_problem(out / "checkpoint-4") is None
     assert (out / "superseded-checkpoint-4" / "adapter_model.safetensors").stat().st_size == 100
     assert load_file(out / "checkpoint-6" / "adapter_model.safetensors")
-    assert read_trainer_state(out / "checkpoint-6")["step"] == 6
+    assert read_trainer_state(out / "checkpoint-6").step == 6
 
 
 def test_resume_export_and_generate_read_a_damaged_adapter_alike(tmp_path, run_cli):
@@ -734,10 +734,10 @@ def test_a_checkpoint_that_lost_its_manifest_is_damaged(tmp_path, run_cli):
 
 def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
     config, model, optimizer = _tiny_model(tmp_path)
-    folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, {"step": 2, "run_id": "old"}, config)
+    folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, TrainerState(2, run_id="old"), config)
     as_written_before_manifests(folder)
     assert checkpoint_problem(folder) is None
-    assert checkpoint_module.load_checkpoint(folder, model, optimizer)["step"] == 2
+    assert checkpoint_module.load_checkpoint(folder, model, optimizer).step == 2
     assert read_checkpoint_config(folder).lora_r == config.lora_r
 
 

@@ -28,8 +28,9 @@ from torch.overrides import TorchFunctionMode
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
 from qlora_cli.model import QLoRAModel
-from qlora_cli.rundir.checkpoint import read_checkpoint_config, read_trainer_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_config
 from qlora_cli.rundir.folder import latest_checkpoint
+from qlora_cli.rundir.trainer_state import read_trainer_state
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
 from qlora_cli.train.schedule import learning_rate
@@ -439,7 +440,7 @@ def test_resume_refuses_a_changed_data_file_unless_accepted(tmp_path, run_cli):
     )
     code, _, err = run_cli(*suggested(line))
     assert code == 0, err
-    assert read_trainer_state(result.output_dir / "checkpoint-4")["step"] == 4
+    assert read_trainer_state(result.output_dir / "checkpoint-4").step == 4
     assert (
         f"note: {data} changed since {result.output_dir / 'checkpoint-3'} (--accept-changed-data)"
         in " ".join(err.split())
@@ -536,7 +537,7 @@ def test_train_resuming_its_checkpoint_suggests_itself_with_accept_changed_data(
     assert command == ["train", str(path), "--set", "max_steps=3", "--accept-changed-data"]
     code, _, err = run_cli(*command)
     assert code == 0, err
-    assert read_trainer_state(tmp_path / "run" / "out" / "checkpoint-3")["step"] == 3
+    assert read_trainer_state(tmp_path / "run" / "out" / "checkpoint-3").step == 3
 
 
 def test_resume_refuses_a_key_that_changes_the_batch_plan_unless_accepted(tmp_path, run_cli):

@@ -7,6 +7,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.model.settings import lora_config
+from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.weights import TEXT_LAYOUT, VISION_LANGUAGE_LAYOUT
 
 # The class an adapter's names fit, by the base's layout: PEFT only warns on keys it cannot place, so
@@ -33,7 +34,7 @@ def _last(metrics: list[dict], key: str) -> dict | None:
 
 def model_card(
     config: TrainConfig,
-    state: dict,
+    state: TrainerState,
     *,
     merged: bool,
     dtype: str | None,
@@ -45,11 +46,11 @@ def model_card(
     revision = f" at revision `{config.revision}`" if config.revision else ""
     lora = lora_config(config)
     data = ", ".join(f"`{d.path}` ({d.type})" for d in config.datasets)
-    metrics = state.get("metrics") or []
+    metrics = state.metrics or []
     rows = [
         ("base model", f"`{config.base_model}`{revision}"),
         ("data", data),
-        ("steps", f"{state['step']} of {state.get('total_steps', state['step'])}"),
+        ("steps", f"{state.step} of {state.step if state.total_steps is None else state.total_steps}"),
     ]
     train_record, eval_record = _last(metrics, "loss"), _last(metrics, "eval_loss")
     if train_record:

@@ -26,9 +26,10 @@ from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.settings import lora_config
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
 from qlora_cli.rundir.base import checkpoint_base
-from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config, read_trainer_state
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE, names_a_checkpoint_folder
+from qlora_cli.rundir.trainer_state import is_checkpoint, read_trainer_state
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.weights import read_spec
 
@@ -55,7 +56,7 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise QLoraError(f"{path} does not exist; give a checkpoint-<step> folder or a run's output_dir")
-    if (path / STATE_FILE).is_file():
+    if is_checkpoint(path):
         return path
     found = (
         usable_checkpoint(path, lambda found: f"export it with `qlora export {found} --out …`")

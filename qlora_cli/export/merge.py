@@ -13,20 +13,21 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.rundir.adapter import PREFIX
 from qlora_cli.rundir.names import STATE_FILE
+from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.weights import ModelSpec, canonical_name, stream_checkpoint, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def training_dtype(state: dict) -> torch.dtype:
+def training_dtype(state: TrainerState) -> torch.dtype:
     """The compute dtype the run trained in, as the checkpoint's trainer state records it.
 
     `QLoRAModel.load_base` casts each projection to the compute dtype before quantizing, and dequantizing
     gives that dtype back, so the weights the adapter learned against are
     dequantize_nf4(quantize_nf4(W.to(compute dtype))).
     """
-    name = state.get("compute_dtype")
+    name = state.compute_dtype
     if name not in DTYPES:
         raise QLoraError(f"{STATE_FILE} does not record the run's compute dtype; --base nf4 needs it")
     return DTYPES[name]

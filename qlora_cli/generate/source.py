@@ -18,7 +18,8 @@ from qlora_cli.rundir.adapter import load_adapter_state
 from qlora_cli.rundir.base import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import usable_checkpoint
-from qlora_cli.rundir.names import ADAPTER_WEIGHTS, STATE_FILE
+from qlora_cli.rundir.names import ADAPTER_WEIGHTS
+from qlora_cli.rundir.trainer_state import is_checkpoint
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.hub import resolve_model
 from qlora_cli.sources.run_tokenizer import dataset_template, run_tokenizer
@@ -80,7 +81,7 @@ def find_source(
             return config, None, []
         config = read_checkpoint_config(checkpoint)
     else:
-        checkpoint = source if (source / STATE_FILE).is_file() else _checkpoint_of(source)
+        checkpoint = source if is_checkpoint(source) else _checkpoint_of(source)
         if checkpoint is None:
             raise QLoraError(f"{source} holds no complete checkpoint and is not a checkpoint folder; {usage}")
         config = read_checkpoint_config(checkpoint)

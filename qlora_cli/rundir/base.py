@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.rundir.checkpoint import read_trainer_state
+from qlora_cli.rundir.trainer_state import read_trainer_state
 from qlora_cli.sources.fingerprint import (
     base_fingerprint,
     config_difference,
@@ -24,8 +24,6 @@ from qlora_cli.sources.fingerprint import (
     weights_difference,
 )
 
-# The trainer_state.json key of the base's fingerprint (named when it held the weights' alone).
-BASE_WEIGHTS = "base_weights"
 BASE_MODEL_OPTION = "--base-model"
 
 
@@ -51,7 +49,7 @@ def check_base(checkpoint: Path, trained_on: str, base_model: str) -> list[str]:
         )
     folder = folder.resolve()
     moved = folder != Path(trained_on).resolve()
-    recorded = read_trainer_state(checkpoint).get(BASE_WEIGHTS)
+    recorded = read_trainer_state(checkpoint).base_fingerprint
     if recorded is None:
         if not moved:
             return []

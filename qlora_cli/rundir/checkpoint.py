@@ -10,6 +10,7 @@ of its contents checks first. Only safetensors, JSON and YAML are written and re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, fsync_dir, fsync_tree, save_tensors, write_json
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.rundir.manifest import MANIFEST_WRITTEN, has_manifest, manifest_problem, write_manifest
+from qlora_cli.rundir.manifest import has_manifest, manifest_problem, write_manifest
 from qlora_cli.rundir.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -39,6 +40,12 @@ from qlora_cli.rundir.names import (
     STATE_FILE,
     TEMP_PREFIX,
     checkpoint_name,
+)
+from qlora_cli.rundir.trainer_state import (
+    TrainerState,
+    is_checkpoint,
+    read_trainer_state,
+    write_trainer_state,
 )
 
 
@@ -69,7 +76,7 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in output_dir.iterdir():
         match = CHECKPOINT_NAME.match(entry.name)
-        if match and entry.is_dir() and (entry / STATE_FILE).is_file():
+        if match and is_checkpoint(entry):
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -78,7 +85,7 @@ def checkpoint_run(folder: Path) -> str | None:
     """The run id a checkpoint records (None for checkpoints written before runs had ids).
 
     An unreadable trainer_state.json raises QLoraError."""
-    return read_trainer_state(folder).get("run_id")
+    return read_trainer_state(folder).run_id
 
 
 def readable_checkpoints(output_dir: Path) -> Iterator[tuple[int, Path, str | None]]:
@@ -123,7 +130,7 @@ def remove_checkpoint(folder: Path) -> None:
     folder = Path(folder)
     if not foreign_files(folder):
         discard(folder)
-    elif (folder / STATE_FILE).is_file():
+    elif is_checkpoint(folder):
         for name in (STATE_FILE, *CHECKPOINT_FILES):
             (folder / name).unlink(missing_ok=True)
 
@@ -138,7 +145,7 @@ def save_checkpoint(
     step: int,
     model,
     optimizer: torch.optim.Optimizer,
-    trainer_state: dict,
+    trainer_state: TrainerState,
     config: TrainConfig,
 ) -> Path:
     """Write checkpoint-<step> atomically, then prune this run's old ones down to save_total_limit.
@@ -149,7 +156,7 @@ def save_checkpoint(
     output_dir = Path(output_dir)
     final = output_dir / checkpoint_name(step)
     temp = output_dir / f"{TEMP_PREFIX}{step}-{os.getpid()}"
-    previous = run_checkpoints(output_dir, trainer_state.get("run_id"))
+    previous = run_checkpoints(output_dir, trainer_state.run_id)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         remove_partial(output_dir)
@@ -159,7 +166,7 @@ def save_checkpoint(
         save_tensors(tensors, temp / OPTIMIZER_TENSORS)
         write_json(temp / OPTIMIZER_SETTINGS, meta)
         save_config(config, temp / CONFIG_FILE)
-        write_json(temp / STATE_FILE, {**trainer_state, MANIFEST_WRITTEN: True})
+        write_trainer_state(temp, dataclasses.replace(trainer_state, manifest_written=True))
         write_manifest(temp)
         fsync_tree(temp)
         if final.exists():
@@ -173,7 +180,7 @@ def save_checkpoint(
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     if config.save_total_limit:
-        for _, old in run_checkpoints(output_dir, trainer_state.get("run_id"))[: -config.save_total_limit]:
+        for _, old in run_checkpoints(output_dir, trainer_state.run_id)[: -config.save_total_limit]:
             remove_checkpoint(old)
     return final
 
@@ -184,7 +191,7 @@ def _manifest_problem(folder: Path) -> str | None:
     if has_manifest(folder):
         return manifest_problem(folder)
     try:
-        written = read_trainer_state(folder).get(MANIFEST_WRITTEN)
+        written = read_trainer_state(folder).manifest_written
     except QLoraError as err:
         return str(err)
     if written:
@@ -220,19 +227,6 @@ def read_checkpoint_config(folder: Path) -> TrainConfig:
         raise QLoraError(f"checkpoint {folder}: {err}") from None
 
 
-def read_trainer_state(folder: Path) -> dict:
-    path = Path(folder) / STATE_FILE
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QLoraError(f"checkpoint {folder} has no {STATE_FILE}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
-        raise QLoraError(f"{path} is corrupt: {err}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise QLoraError(f"{path} is corrupt: it has no step")
-    return state
-
-
 def read_checkpoint_adapter(folder: Path) -> dict[str, torch.Tensor]:
     """The adapter tensors a checkpoint saved, as they are on disk (load_adapter_state fits them to a model)."""
     verify(folder)
@@ -245,7 +239,7 @@ def read_checkpoint_adapter(folder: Path) -> dict[str, torch.Tensor]:
         raise QLoraError(f"{path} is corrupt: {err}") from None
 
 
-def _read_files(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+def _read_files(folder: Path) -> tuple[TrainerState, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     verify(folder)
     state = read_trainer_state(folder)
     adapter = read_checkpoint_adapter(folder)
@@ -278,7 +272,7 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def load_checkpoint(folder: Path, model, optimizer: torch.optim.Optimizer) -> dict:
+def load_checkpoint(folder: Path, model, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore adapter weights and optimizer state in place; returns the trainer state."""
     folder = Path(folder)
     state, adapter, tensors, meta = _read_files(folder)

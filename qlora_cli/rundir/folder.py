@@ -28,7 +28,6 @@ from qlora_cli.rundir.checkpoint import (
     checkpoint_run,
     foreign_files,
     list_checkpoints,
-    read_trainer_state,
     readable_checkpoints,
     remove_checkpoint,
     run_checkpoints,
@@ -45,6 +44,7 @@ from qlora_cli.rundir.names import (
     TEMP_PREFIX,
     WRITE_PROBE_PREFIX,
 )
+from qlora_cli.rundir.trainer_state import is_checkpoint, read_trainer_state
 from qlora_cli.sources.weights import ModelSpec
 
 # A checkpoint holds the adapter, two AdamW moments of the same size, and small JSON/YAML files.
@@ -139,7 +139,7 @@ def check_new_run(output_dir: Path, overwrite: bool) -> None:
 
 def _not_a_run_folder(folder: Path) -> str | None:
     """Why a folder named like a checkpoint holds what no run wrote, or None when it holds a checkpoint only."""
-    if not (folder / STATE_FILE).is_file():
+    if not is_checkpoint(folder):
         return f"is no checkpoint (it has no {STATE_FILE})"
     if foreign := foreign_files(folder):
         return f"holds {', '.join(foreign)}, which no checkpoint writes"
@@ -316,6 +316,6 @@ def owned_output_dir(
         ownership = _check_owner(output_dir, resume_from, overwrite)
         claim(output_dir, ownership.run_id, overwrite=resume_from is None and overwrite)
         if resume_from is not None:
-            step = read_trainer_state(resume_from)["step"]
+            step = read_trainer_state(resume_from).step
             ownership.set_aside = set_aside_newer(output_dir, ownership.run_id, step)
         yield ownership

@@ -14,9 +14,6 @@ from pathlib import Path
 from qlora_cli.core.files import sha256_file, write_json
 from qlora_cli.rundir.names import MANIFEST_FILE
 
-# The trainer_state.json key that says the checkpoint was written with a manifest.
-MANIFEST_WRITTEN = "manifest_written"
-
 # Checkpoints found intact in this process, by their files' (name, size, mtime) as they were then: a
 # command reads a checkpoint several times, and hashes it once.
 _intact: set[tuple] = set()

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped
 from qlora_cli.core.wording import count
-from qlora_cli.rundir.checkpoint import read_trainer_state
 from qlora_cli.rundir.folder import check_new_run, latest_checkpoint
+from qlora_cli.rundir.trainer_state import read_trainer_state
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_KEY = "qlora/first-failure"
@@ -254,7 +254,7 @@ def distributed(device: torch.device) -> Iterator[Distributed]:
 
 def check_world_size(checkpoint: Path, world_size: int) -> None:
     """A checkpoint continues only with the number of processes that wrote it: the data order depends on it."""
-    saved = read_trainer_state(checkpoint).get("world_size", 1)
+    saved = read_trainer_state(checkpoint).world_size
     if saved != world_size:
         raise QLoraError(
             f"cannot resume {checkpoint}: it was written by {count(saved, 'process', 'processes')} "

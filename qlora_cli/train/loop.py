@@ -31,15 +31,11 @@ from qlora_cli.core.wording import count
 from qlora_cli.data.examples import reads_local_files
 from qlora_cli.data.files import changed_files, moved_files
 from qlora_cli.model.settings import compute_dtype, select_device
-from qlora_cli.rundir.base import BASE_WEIGHTS, check_base, is_local_base
-from qlora_cli.rundir.checkpoint import (
-    load_checkpoint,
-    read_checkpoint_config,
-    read_trainer_state,
-    save_checkpoint,
-)
+from qlora_cli.rundir.base import check_base, is_local_base
+from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
+from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, logged_records, memory_gib
 from qlora_cli.train.run import Run, build_run
@@ -186,20 +182,20 @@ def _save(run: Run, step: int, metrics: list[dict], trackers: Trackers) -> Path:
     epoch, index = divmod(
         step, plan.steps_per_epoch(run.config.gradient_accumulation_steps * dist.world_size)
     )
-    state = {
-        "step": step,
-        "total_steps": run.total_steps,
-        "epoch": epoch,
-        "batch_index": index * run.config.gradient_accumulation_steps * dist.world_size,
-        "world_size": dist.world_size,
-        "compute_dtype": str(compute_dtype(run.config, run.device)).removeprefix("torch."),
-        "lr": learning_rate(run.config, max(0, step - 1), run.total_steps),
-        "metrics": metrics[-100:],
-        "trackers": trackers.state(),
-        "run_id": run.run_id,
-        "data_files": run.data_files,
-        BASE_WEIGHTS: run.base_fingerprint,
-    }
+    state = TrainerState(
+        step=step,
+        total_steps=run.total_steps,
+        epoch=epoch,
+        batch_index=index * run.config.gradient_accumulation_steps * dist.world_size,
+        world_size=dist.world_size,
+        compute_dtype=str(compute_dtype(run.config, run.device)).removeprefix("torch."),
+        lr=learning_rate(run.config, max(0, step - 1), run.total_steps),
+        metrics=metrics[-100:],
+        trackers=trackers.state(),
+        run_id=run.run_id,
+        data_files=run.data_files,
+        base_fingerprint=run.base_fingerprint,
+    )
     folder = Path(run.config.output_dir) / checkpoint_name(step)
     if dist.is_main:
         folder = save_checkpoint(folder.parent, step, run.model, run.optimizer, state, run.config)
@@ -329,8 +325,8 @@ def check_batch_plan(
     state = read_trainer_state(checkpoint)
     raise QLoraError(
         f"cannot resume {checkpoint}: {', '.join(changes)}, which changes the batch plan the checkpoint's "
-        f"step {state['step']} places the run in (at micro-batch {state.get('batch_index', 0)} of epoch "
-        f"{state.get('epoch', 0)}), so the remaining steps would skip or repeat rows of this epoch; keep the "
+        f"step {state.step} places the run in (at micro-batch {state.batch_index} of epoch "
+        f"{state.epoch}), so the remaining steps would skip or repeat rows of this epoch; keep the "
         f"checkpoint's {'value' if len(changes) == 1 else 'values'}, or continue on the new batch plan with "
         f"{_suggest([*command, '--accept-changed-data'], dist)}"
     )
@@ -373,7 +369,7 @@ def _train(
     if resume_from is not None:
         saved, state = read_checkpoint_config(resume_from), read_trainer_state(resume_from)
         run.notes += check_continues(saved, config, resume_from)
-        run.notes += _batch_plan_note(run, saved, state["step"])
+        run.notes += _batch_plan_note(run, saved, state.step)
         change = schedule_change(saved, state, config, run.total_steps)
         run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
@@ -432,17 +428,17 @@ def _restore(
         return 0, [], {}
     state = load_checkpoint(resume_from, run.model, run.optimizer)
     _check_data_files(run, state, resume_from, out, accept_changed_data, command)
-    out.print(escape(f"resuming from {resume_from} at step {state['step']}"))
-    return state["step"], list(state.get("metrics", [])), state.get("trackers", {})
+    out.print(escape(f"resuming from {resume_from} at step {state.step}"))
+    return state.step, list(state.metrics), state.trackers
 
 
 def _check_data_files(
-    run: Run, state: dict, checkpoint: Path, out: RunOutput, accept: bool, command: Sequence[str]
+    run: Run, state: TrainerState, checkpoint: Path, out: RunOutput, accept: bool, command: Sequence[str]
 ) -> None:
     """A resumed run continues at the checkpoint's step, which places it in the data by position: a local
     file that changed since (checkpoints before this check record none) moves the rows under it. Files
     that only moved, the same bytes read in the same order, are the same rows."""
-    recorded = state.get("data_files", run.data_files)
+    recorded = run.data_files if state.data_files is None else state.data_files
     moved = moved_files(recorded, run.data_files)
     for then, now in moved or ():
         note = f"data file {then} moved to {now} since {checkpoint}: the same bytes, so the same rows"
@@ -451,8 +447,8 @@ def _check_data_files(
     if not changed:
         return
     at = (
-        f"step {state['step']} continues at micro-batch {state.get('batch_index', 0)} of epoch "
-        f"{state.get('epoch', 0)} of the changed data, so rows of this epoch may be skipped or seen twice"
+        f"step {state.step} continues at micro-batch {state.batch_index} of epoch "
+        f"{state.epoch} of the changed data, so rows of this epoch may be skipped or seen twice"
     )
     if not accept:
         others = f" (and {count(len(changed) - 1, 'other file')})" if len(changed) > 1 else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from qlora_cli.config.schema import TrainConfig
+from qlora_cli.rundir.trainer_state import TrainerState
 
 
 def warmup_steps(config: TrainConfig, total_steps: int) -> int:
@@ -42,11 +43,13 @@ def warmup_note(config: TrainConfig, total_steps: int) -> str | None:
     )
 
 
-def schedule_change(saved: TrainConfig, state: dict, config: TrainConfig, total_steps: int) -> str | None:
+def schedule_change(
+    saved: TrainConfig, state: TrainerState, config: TrainConfig, total_steps: int
+) -> str | None:
     """What a resumed run's settings change in the schedule its checkpoint (config `saved`, trainer `state`)
     was on, from the step it continues at; None when they change nothing."""
-    step = state["step"]
-    saved_total = state.get("total_steps", total_steps)
+    step = state.step
+    saved_total = total_steps if state.total_steps is None else state.total_steps
     changes = []
     if config.learning_rate != saved.learning_rate:
         changes.append(f"learning_rate {config.learning_rate:g} (was {saved.learning_rate:g})")
