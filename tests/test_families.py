@@ -133,6 +133,17 @@ def test_a_mistral_sliding_window_at_least_sequence_len_trains(window, tmp_path)
         assert train(config).step == 1
 
 
+def test_qlora_data_refuses_a_sliding_window_shorter_than_the_rows_as_train_does(tmp_path, run_cli):
+    """qlora data plans the rows qlora train would, so it stops where train stops, in the same line."""
+    writer = functools.partial(write_mistral, sliding_window=64)
+    path = write_run(tmp_path / "run", model_writer=writer, **SMALL, **FAMILIES["mistral"][1], max_steps=1)
+    code, _, err = run_cli("data", path)
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
+        "sliding_window 64 < sequence_len 96: qlora's training attention has no sliding window; "
+        "set sequence_len <= 64"
+    ), err
+
+
 def test_a_llama_with_attention_and_mlp_bias_matches_transformers_and_trains(tmp_path):
     """attention_bias puts a bias on q, k, v and o; mlp_bias on gate, up and down: all loaded."""
     writer = functools.partial(write_llama, attention_bias=True, mlp_bias=True)

@@ -31,6 +31,7 @@ from qlora_cli.data.files import files_for_split, fingerprint, read_split, split
 from qlora_cli.sources.hub import resolve_dataset, snapshot_commit
 from qlora_cli.sources.run_tokenizer import check_token_id, dataset_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.weights import ModelSpec
 
 IGNORE_INDEX = -100
 
@@ -444,6 +445,26 @@ class BatchPlan:
         self._cached_epoch: int | None = None
         self._cached_order: list[int] = []
 
+    @classmethod
+    def from_config(
+        cls,
+        examples: list[Example],
+        config: TrainConfig,
+        pad_token_id: int,
+        *,
+        sample_packing: bool | None = None,
+    ) -> BatchPlan:
+        """The plan `qlora train` and `qlora data` both make of the config's keys (`sample_packing`
+        overrides the config's, as an evaluation plan's eval_sample_packing does)."""
+        return cls(
+            examples,
+            micro_batch_size=config.micro_batch_size,
+            sequence_len=config.sequence_len,
+            sample_packing=config.sample_packing if sample_packing is None else sample_packing,
+            seed=config.seed,
+            pad_token_id=pad_token_id,
+        )
+
     def steps_per_epoch(self, per_step: int) -> int:
         """Optimizer steps in an epoch when a step reads `per_step` micro-batches (accumulation × ranks)."""
         return math.ceil(self.num_batches / per_step)
@@ -499,4 +520,22 @@ class BatchPlan:
         n_tokens = int((labels != IGNORE_INDEX).sum())
         return Batch(
             input_ids=input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids, n_tokens=n_tokens
+        )
+
+
+def check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
+    """Rows no longer than the model takes, for `qlora train` and `qlora data` alike.
+
+    Within a window as long as the row, sliding-window attention is plain causal attention; a shorter
+    window would take the torch path of qlora_kernels.attention, which generation uses past the window."""
+    if config.sequence_len > spec.max_position_embeddings:
+        raise QLoraError(
+            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
+            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
+        )
+    if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
+        raise QLoraError(
+            f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
+            "qlora's training attention has no sliding window; "
+            f"set sequence_len <= {number(spec.sliding_window)}"
         )

@@ -16,13 +16,13 @@ from rich.table import Table
 from rich.text import Text
 
 from qlora_cli.config.schema import TrainConfig
-from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import count, number
 from qlora_cli.data.examples import (
     IGNORE_INDEX,
     BatchPlan,
     Example,
     ExampleList,
+    check_sequence_len,
     check_token_ids,
     dropped_text,
     prepare_data,
@@ -99,23 +99,13 @@ def data_report(config: TrainConfig) -> DataReport:
     """Tokenize the config's datasets as a training run would, with no weights loaded."""
     folder = resolve_tokenizer(config.base_model, config.revision)
     spec = read_spec(folder) if (folder / "config.json").is_file() else None
-    if spec is not None and config.sequence_len > spec.max_position_embeddings:
-        raise QLoraError(
-            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
-        )
+    if spec is not None:
+        check_sequence_len(config, spec)
     tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)
     if spec is not None:
         check_token_ids([*data.train, *data.validation], tokenizer, spec.vocab_size)
-    plan = BatchPlan(
-        data.train,
-        micro_batch_size=config.micro_batch_size,
-        sequence_len=config.sequence_len,
-        sample_packing=config.sample_packing,
-        seed=config.seed,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    plan = BatchPlan.from_config(data.train, config, tokenizer.pad_token_id)
     return DataReport(
         datasets=[_stats(path, examples) for path, examples in data.loaded],
         train=data.train,

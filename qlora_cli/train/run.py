@@ -16,8 +16,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.wording import number
-from qlora_cli.data.examples import BatchPlan, check_token_ids, prepare_data
+from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import head_size_problem
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
@@ -112,7 +111,7 @@ def build_run(
     if check_space:
         check_free_space(Path(config.output_dir), space_needed(spec, config))
     config = portable_config(config, folder)
-    _check_sequence_len(config, spec)
+    check_sequence_len(config, spec)
     if problem := head_size_problem(spec):
         raise QLoraError(problem)
     tokenizer = run_tokenizer(folder, config)
@@ -160,22 +159,6 @@ def build_run(
     )
 
 
-def _check_sequence_len(config: TrainConfig, spec: ModelSpec) -> None:
-    if config.sequence_len > spec.max_position_embeddings:
-        raise QLoraError(
-            f"config key 'sequence_len': {config.sequence_len} is above the model's maximum "
-            f"of {number(spec.max_position_embeddings)} (max_position_embeddings)"
-        )
-    # Within a window as long as the row, sliding-window attention is plain causal attention; a shorter
-    # window would take the torch path of qlora_kernels.attention, which generation uses past the window.
-    if spec.sliding_window is not None and spec.sliding_window < config.sequence_len:
-        raise QLoraError(
-            f"sliding_window {number(spec.sliding_window)} < sequence_len {number(config.sequence_len)}: "
-            "qlora's training attention has no sliding window; "
-            f"set sequence_len <= {number(spec.sliding_window)}"
-        )
-
-
 def _check_targets(config: TrainConfig, spec: ModelSpec) -> None:
     """The targets must name a projection this model has: a list of another family's names (Qwen3.5's
     in_proj_qkv on a Llama) would leave LoRA nothing to train."""
@@ -207,17 +190,10 @@ def _setup_data(
     data = prepare_data(config, tokenizer)
     config = dataclasses.replace(config, datasets=data.datasets, test_datasets=data.test_datasets)
     notes += data.notes()
-    plan_args = dict(
-        micro_batch_size=config.micro_batch_size,
-        sequence_len=config.sequence_len,
-        sample_packing=config.sample_packing,
-        seed=config.seed,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    train_plan = BatchPlan(data.train, **plan_args)
+    train_plan = BatchPlan.from_config(data.train, config, tokenizer.pad_token_id)
     eval_packing = config.sample_packing if config.eval_sample_packing is None else config.eval_sample_packing
     eval_plan = (
-        BatchPlan(data.validation, **{**plan_args, "sample_packing": eval_packing})
+        BatchPlan.from_config(data.validation, config, tokenizer.pad_token_id, sample_packing=eval_packing)
         if data.validation
         else None
     )
