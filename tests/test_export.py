@@ -27,7 +27,7 @@ from qlora_cli.export.command import export
 from qlora_cli.export.merge import training_dtype
 from qlora_cli.export.shards import parse_size
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.settings import compute_dtype, lora_config
+from qlora_cli.model.from_config import compute_dtype, lora_config
 from qlora_cli.rundir.adapter import load_adapter_state
 from qlora_cli.rundir.checkpoint import read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state

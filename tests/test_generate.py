@@ -36,7 +36,7 @@ from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
 from qlora_cli.generate.source import load_source, stop_ids
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.settings import lora_config, select_device
+from qlora_cli.model.from_config import lora_config, select_device
 from qlora_cli.rundir.checkpoint import save_checkpoint
 from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.chat_templates import choose_template

@@ -34,7 +34,7 @@ from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.rundir import checkpoint as checkpoint_module
-from qlora_cli.rundir.base import checkpoint_base
+from qlora_cli.rundir.base_model import checkpoint_base
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     list_checkpoints,

@@ -27,6 +27,7 @@ from qlora_cli.data.examples import (
     dropped_text,
     prepare_data,
 )
+from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.hub import resolve_tokenizer
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -98,7 +99,7 @@ def _fill(plan: BatchPlan) -> float:
 def data_report(config: TrainConfig) -> DataReport:
     """Tokenize the config's datasets as a training run would, with no weights loaded."""
     folder = resolve_tokenizer(config.base_model, config.revision)
-    spec = read_spec(folder) if (folder / "config.json").is_file() else None
+    spec = read_spec(folder) if (folder / MODEL_CONFIG).is_file() else None
     if spec is not None:
         check_sequence_len(config, spec)
     tokenizer = run_tokenizer(folder, config)

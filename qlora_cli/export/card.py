@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from qlora_cli.config.schema import TrainConfig
-from qlora_cli.model.settings import lora_config
+from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.weights import TEXT_LAYOUT, VISION_LANGUAGE_LAYOUT
 

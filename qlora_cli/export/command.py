@@ -23,9 +23,9 @@ from qlora_cli.export.merge import DTYPES, Merge, training_dtype
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
 from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.settings import lora_config
+from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
-from qlora_cli.rundir.base import checkpoint_base
+from qlora_cli.rundir.base_model import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE, names_a_checkpoint_folder

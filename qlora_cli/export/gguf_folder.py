@@ -13,12 +13,13 @@ from qlora_cli.export.gguf.vocab import read_vocabulary
 from qlora_cli.export.gguf.writer import write_gguf
 from qlora_cli.export.merge import Merge, merged_tensors
 from qlora_cli.export.tokenizer_files import write_tokenizer
+from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import locate_tensors
 
 
 def _bos_token_id(base_folder: Path) -> int | None:
-    value = json.loads((base_folder / "config.json").read_text(encoding="utf-8")).get("bos_token_id")
+    value = json.loads((base_folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("bos_token_id")
     return value if isinstance(value, int) else None
 
 

@@ -13,10 +13,10 @@ import torch
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.files import save_tensors, write_json
 from qlora_cli.export.merge import DTYPES, Merge, merged_checkpoint
+from qlora_cli.sources.hf_files import GENERATION_CONFIG, MODEL_CONFIG, PROCESSOR_FILES, SAFETENSORS_INDEX
 
 SAFETENSORS_METADATA = {"format": "pt"}
 # A vision-language base's image and video preprocessing, which its merged model needs beside it.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -72,13 +72,13 @@ class ShardWriter:
             self._provisional(index).rename(self.folder / final)
             weight_map.update(dict.fromkeys(names, final))
         index_file = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        write_json(self.folder / "model.safetensors.index.json", index_file)
+        write_json(self.folder / SAFETENSORS_INDEX, index_file)
         return count
 
 
 def _base_config(folder: Path, dtype: str) -> dict:
     """The base's config.json for a plain (unquantized) model in the export dtype."""
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8"))
     config.pop("quantization_config", None)
     config["dtype"] = dtype
     if "torch_dtype" in config:
@@ -93,8 +93,8 @@ def write_merged(folder: Path, merge: Merge, dtype: str, max_bytes: int) -> int:
         writer.add(name, tensor.to(DTYPES[dtype]))
     shards = writer.finish()
     base_folder = merge.base_folder
-    write_json(folder / "config.json", _base_config(base_folder, dtype))
-    for name in ("generation_config.json", *PROCESSOR_FILES):
+    write_json(folder / MODEL_CONFIG, _base_config(base_folder, dtype))
+    for name in (GENERATION_CONFIG, *PROCESSOR_FILES):
         if (base_folder / name).is_file():
             shutil.copyfile(base_folder / name, folder / name)
     return shards

@@ -17,8 +17,8 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.files import write_json
 from qlora_cli.sources.chat_templates import choose_template
-from qlora_cli.sources.hub import TOKENIZER_FILES
-from qlora_cli.sources.tokenizer import CONFIG_FILE, TEMPLATE_FILE, ChatTokenizer
+from qlora_cli.sources.hf_files import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILES
+from qlora_cli.sources.tokenizer import ChatTokenizer
 
 
 def write_tokenizer(config: TrainConfig, base_folder: Path, folder: Path) -> None:
@@ -36,11 +36,11 @@ def write_tokenizer(config: TrainConfig, base_folder: Path, folder: Path) -> Non
         return
     base = ChatTokenizer.from_folder(base_folder)
     template = choose_template(base, config.chat_template, config.chat_template_jinja).chat_template
-    config_file = folder / CONFIG_FILE
+    config_file = folder / TOKENIZER_CONFIG
     settings = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     settings.update(tokens)
     if template is not None and template != base.chat_template:
         settings["chat_template"] = template
-        if (folder / TEMPLATE_FILE).is_file():
-            (folder / TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        if (folder / CHAT_TEMPLATE_FILE).is_file():
+            (folder / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     write_json(config_file, settings)

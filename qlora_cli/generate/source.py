@@ -13,9 +13,9 @@ from qlora_cli.config.loading import load_config
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.model.decoder import QLoRAModel
-from qlora_cli.model.settings import compute_dtype, lora_config, select_device
+from qlora_cli.model.from_config import compute_dtype, lora_config, select_device
 from qlora_cli.rundir.adapter import load_adapter_state
-from qlora_cli.rundir.base import checkpoint_base
+from qlora_cli.rundir.base_model import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_WEIGHTS

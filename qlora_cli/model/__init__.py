@@ -2,7 +2,7 @@
 sliced MLP. Imports qlora_kernels, qlora_cli.core, config and sources."""
 
 from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.from_config import compute_dtype, lora_config, select_device
 from qlora_cli.model.lora import LoRAConfig
-from qlora_cli.model.settings import compute_dtype, lora_config, select_device
 
 __all__ = ["LoRAConfig", "QLoRAModel", "compute_dtype", "lora_config", "select_device"]

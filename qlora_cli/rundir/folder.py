@@ -22,7 +22,7 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, replace_file
-from qlora_cli.model.settings import lora_config
+from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     checkpoint_run,

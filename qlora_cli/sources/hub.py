@@ -29,21 +29,19 @@ from huggingface_hub.utils import (
 )
 
 from qlora_cli.core.errors import QLoraError
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
+from qlora_cli.sources.hf_files import (
+    GENERATION_CONFIG,
+    MODEL_CONFIG,
+    SAFETENSORS_INDEX,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
 )
+
 MODEL_FILE_PATTERNS = (
-    "config.json",
-    "generation_config.json",
+    MODEL_CONFIG,
+    GENERATION_CONFIG,
     "*.safetensors",
-    "model.safetensors.index.json",
+    SAFETENSORS_INDEX,
     *TOKENIZER_FILES,
 )
 _DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
@@ -113,9 +111,9 @@ def resolve_tokenizer(
         revision,
         token,
         cache_dir,
-        holds="tokenizer.json",
-        patterns=("config.json", *TOKENIZER_FILES),
-        required_suffixes=("tokenizer.json",),
+        holds=TOKENIZER_FILE,
+        patterns=(MODEL_CONFIG, *TOKENIZER_FILES),
+        required_suffixes=(TOKENIZER_FILE,),
         missing_files_message="has no tokenizer.json; qlora reads fast tokenizers only",
     )
 

@@ -18,12 +18,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.hf_files import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE
 
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
 # Every file of a model folder that from_folder reads.
-FILES_READ = (TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE)
+FILES_READ = (TOKENIZER_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)
 
 
 def _token_text(value: Any) -> str | None:
@@ -141,11 +139,11 @@ class ChatTokenizer:
         except Exception as error:
             raise QLoraError(f"{tokenizer_file}: cannot load tokenizer ({_one_line(error)})") from None
 
-        config_file = folder / CONFIG_FILE
+        config_file = folder / TOKENIZER_CONFIG
         config = _read_json(config_file) if config_file.is_file() else {}
         _add_declared_tokens(tokenizer, config.get("added_tokens_decoder"), config_file)
 
-        template_file = folder / TEMPLATE_FILE
+        template_file = folder / CHAT_TEMPLATE_FILE
         if template_file.is_file():
             try:
                 template = template_file.read_text(encoding="utf-8")

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import LINEAR_ATTENTION_PROJECTIONS
 from qlora_cli.core.wording import count
+from qlora_cli.sources.hf_files import MODEL_CONFIG, SAFETENSORS_INDEX
 from qlora_cli.sources.rope import RopeScaling, rope_config, rope_frequencies
 
 # Each model_type qlora trains, with the families it covers (for the one-line refusal of the others).
@@ -264,7 +265,7 @@ def _decoder_config(cfg: dict, where: str) -> tuple[dict, str]:
     return {**text, "tie_word_embeddings": tie, "dtype": dtype}, VISION_LANGUAGE_LAYOUT
 
 
-def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:
+def spec_from_config(cfg: dict, where: str = MODEL_CONFIG) -> ModelSpec:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(model_type, where)
@@ -329,7 +330,7 @@ def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:
 
 
 def read_spec(folder: Path) -> ModelSpec:
-    path = Path(folder) / "config.json"
+    path = Path(folder) / MODEL_CONFIG
     if not path.is_file():
         raise QLoraError(f"model folder {folder} has no config.json")
     try:
@@ -344,7 +345,7 @@ def read_spec(folder: Path) -> ModelSpec:
 def shard_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards its index names, or model.safetensors."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / SAFETENSORS_INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]

@@ -30,8 +30,8 @@ from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
 from qlora_cli.data.examples import reads_local_files
 from qlora_cli.data.files import changed_files, moved_files
-from qlora_cli.model.settings import compute_dtype, select_device
-from qlora_cli.rundir.base import check_base, is_local_base
+from qlora_cli.model.from_config import compute_dtype, select_device
+from qlora_cli.rundir.base_model import check_base, is_local_base
 from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
@@ -274,7 +274,7 @@ def configured_resume(config: TrainConfig) -> Path | None:
 
 def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> list[str]:
     """A checkpoint continues only under the keys that fixed the shape and meaning of its weights; its
-    local base may be found in another folder holding the same weights (qlora_cli/rundir/base.py).
+    local base may be found in another folder holding the same weights (qlora_cli/rundir/base_model.py).
     Returns the notes to print."""
     keys, notes = BREAKING_KEYS, []
     if is_local_base(saved.base_model):

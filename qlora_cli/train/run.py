@@ -18,11 +18,11 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
+from qlora_cli.model.from_config import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.model.layers import head_size_problem
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
-from qlora_cli.model.settings import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
-from qlora_cli.rundir.base import is_local_base
+from qlora_cli.rundir.base_model import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
@@ -53,7 +53,9 @@ class Run:
     save_every: int | None = None  # optimizer steps between checkpoints
     run_id: str | None = None  # what its checkpoints record (qlora_cli/rundir/folder.py)
     data_files: list[dict] = dataclasses.field(default_factory=list)  # the local data files it read
-    base_fingerprint: dict | None = None  # a local base's weights, config and tokenizer (rundir/base.py)
+    base_fingerprint: dict | None = (
+        None  # a local base's weights, config and tokenizer (rundir/base_model.py)
+    )
     startup_s: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per start-up part
 
     @staticmethod

@@ -17,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.hf_files import TOKENIZER_FILE
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
 TOKENIZER_MODEL = "gpt2"
@@ -96,7 +97,7 @@ def _is_sentencepiece(data: dict) -> bool:
 
 def check_tokenizer(folder: Path) -> dict:
     """tokenizer.json of `folder`, refused when llama.cpp would split or merge its text otherwise."""
-    path = Path(folder) / "tokenizer.json"
+    path = Path(folder) / TOKENIZER_FILE
     if not path.is_file():
         raise QLoraError(f"{folder} has no tokenizer.json; --gguf exports need the base's fast tokenizer")
     data = _read(path)
@@ -143,7 +144,7 @@ def read_vocabulary(
     bos = chat.bos_token_id
     if bos is None and bos_fallback is not None and 0 <= bos_fallback < vocab_size:
         bos = bos_fallback
-    probe = Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).encode("a").ids
+    probe = Tokenizer.from_file(str(Path(folder) / TOKENIZER_FILE)).encode("a").ids
     return Vocabulary(
         tokens=tokens,
         token_types=token_types,
