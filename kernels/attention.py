@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import unit_last_stride
 
 if TRITON_AVAILABLE:
     import triton
@@ -960,10 +961,6 @@ def _block_config(head_dim_pad: int, dtype: torch.dtype, is_cuda: bool) -> dict:
     return config
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep full precision (tf32 would cost about three digits); 16-bit ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -1016,7 +1013,7 @@ def _launch_backward(dout, q, k, v, out, lse, doc_start, doc_end, scale):
     group = n_q_heads // n_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     config = _block_config(d_pad, q.dtype, q.is_cuda)
-    dout = _last_dim_contiguous(dout)
+    dout = unit_last_stride(dout)
     has_docs = doc_start is not None
     doc_start_arg = doc_start if has_docs else lse
     doc_end_arg = doc_end if has_docs else lse
@@ -1110,7 +1107,7 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, doc_ids, scale):
-        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         doc_start, doc_end = _document_bounds(doc_ids) if doc_ids is not None else (None, None)
         out, lse = _launch_forward(q, k, v, doc_start, scale)
         ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import document_index, documents_per_token, unit_last_stride
 
 if TRITON_AVAILABLE:
     import triton
@@ -17,17 +18,6 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------------------
-
-
-def document_index(doc_ids: torch.Tensor) -> torch.Tensor:
-    """int32 [B, T], counting documents from 0 along each row: a new one starts where doc_ids changes.
-
-    Kernels compare these instead of doc_ids, so a document id that comes back later in a row is
-    still a new document.
-    """
-    changes = torch.zeros(doc_ids.shape, dtype=torch.int32, device=doc_ids.device)
-    changes[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
-    return changes.cumsum(1, dtype=torch.int32)
 
 
 def _activate(z: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -335,19 +325,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
         raise TypeError(f"causal_conv1d needs a floating-point input, got {x.dtype}")
 
 
-def _docs(doc_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """Document index per token; one document is a zero-stride view (nothing allocated per token)."""
-    if doc_ids is None:
-        return torch.zeros(1, 1, dtype=torch.int32, device=x.device).expand(x.shape[0], x.shape[1])
-    if doc_ids.shape != x.shape[:2]:
-        raise ValueError(f"doc_ids must be [B, T] = {tuple(x.shape[:2])}, got {tuple(doc_ids.shape)}")
-    return document_index(doc_ids)
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _grid(x: torch.Tensor) -> tuple[int, int, int]:
     batch, seq, channels = x.shape
     return triton.cdiv(seq, _BLOCK_T), triton.cdiv(channels, _BLOCK_C), batch
@@ -377,7 +354,7 @@ def _conv_forward(x, weight, bias, docs, activation) -> torch.Tensor:
 
 
 def _conv_backward(dy, x, weight, bias, docs, activation):
-    dy = _unit_last_stride(dy)
+    dy = unit_last_stride(dy)
     batch, seq, channels = x.shape
     grid = _grid(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -418,7 +395,7 @@ def _conv_step(x, conv_state, weight, bias, activation) -> torch.Tensor:
         raise ValueError(
             f"conv_state must be [B={batch}, C={channels}, S >= K-1={width - 1}], got {tuple(conv_state.shape)}"
         )
-    x = _unit_last_stride(x)
+    x = unit_last_stride(x)
     y = torch.empty_like(x)
     _conv_step_kernel[(triton.cdiv(channels, _BLOCK_C), batch)](
         x,
@@ -449,7 +426,7 @@ def _conv_step(x, conv_state, weight, bias, activation) -> torch.Tensor:
 class CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, docs, activation):
-        x, weight = _unit_last_stride(x), weight.contiguous()
+        x, weight = unit_last_stride(x), weight.contiguous()
         ctx.save_for_backward(x, weight, bias, docs)
         ctx.activation = activation
         return _conv_forward(x, weight, bias, docs, activation)
@@ -477,7 +454,7 @@ def causal_conv1d(
     none), doc_ids int [B, T] or None; returns y [B, T, C] in x's dtype, computed in fp32."""
     _check(x, weight, bias, activation)
     if use_triton(x):
-        return CausalConv1dFunction.apply(x, weight, bias, _docs(doc_ids, x), activation)
+        return CausalConv1dFunction.apply(x, weight, bias, documents_per_token(doc_ids, x), activation)
     return causal_conv1d_reference(x, weight, bias, doc_ids, activation)
 
 

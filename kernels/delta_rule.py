@@ -11,7 +11,7 @@ of tokens of one document and the log-decay is summed per document, never offset
 import torch
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
-from qlora_kernels.conv1d import document_index
+from qlora_kernels._layout import documents_per_token, unit_last_stride
 
 if TRITON_AVAILABLE:
     import triton
@@ -980,10 +980,6 @@ def _check(q, k, v, g, beta, initial_state) -> None:
         raise ValueError(f"initial_state must be [B, Hv, Dk, Dv] = {(batch, v_heads, k_dim, v_dim)}")
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _table_dtype(v: torch.Tensor) -> torch.dtype:
     """The chunk tables' dtype, which is the tensor-core operand dtype (see TENSOR_CORE_DTYPES)."""
     return v.dtype if v.dtype in TENSOR_CORE_DTYPES else torch.float32
@@ -1067,15 +1063,6 @@ def _chunk_cumsum(x: torch.Tensor, docs: torch.Tensor, reverse: bool) -> torch.T
         BLOCK_H=_block(heads),
     )
     return out
-
-
-def _docs(doc_ids: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
-    """Document index per token; one document is a zero-stride view (nothing allocated per token)."""
-    if doc_ids is None:
-        return torch.zeros(1, 1, dtype=torch.int32, device=v.device).expand(v.shape[0], v.shape[1])
-    if doc_ids.shape != v.shape[:2]:
-        raise ValueError(f"doc_ids must be [B, T] = {tuple(v.shape[:2])}, got {tuple(doc_ids.shape)}")
-    return document_index(doc_ids)
 
 
 def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, store_states):
@@ -1205,7 +1192,7 @@ def _step(q, k, v, g, beta, state, scale, normalize_qk) -> torch.Tensor:
         raise ValueError(
             f"state must be fp32 [B, Hv, Dk, Dv] = {(batch, v_heads, k_dim, v_dim)}, unit last stride"
         )
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     o = torch.empty(batch, v_heads, v_dim, dtype=v.dtype, device=v.device)
     block_v = _block_v(v_dim)
     _step_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
@@ -1251,7 +1238,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     block_k, block_v = _block(k_dim), _block_v(v_dim)
     n_v_blocks = triton.cdiv(v_dim, block_v)
     device = v.device
-    do = _unit_last_stride(do)
+    do = unit_last_stride(do)
     ddelta = torch.empty(u.shape, dtype=w.dtype, device=device)
     # Several Dv blocks add their shares into one fp32 sum with atomics; under deterministic
     # algorithms each keeps its own, summed in block order (n_v_blocks times the memory).
@@ -1358,7 +1345,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state):
-        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
         o, final, _ = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False)
         ctx.save_for_backward(q, k, v, g, beta, docs, initial_state)
@@ -1414,7 +1401,16 @@ def gated_delta_rule(
         if initial_state is not None:
             initial_state = initial_state.float().contiguous()
         return GatedDeltaRuleFunction.apply(
-            q, k, v, g, beta, _docs(doc_ids, v), initial_state, scale, normalize_qk, output_final_state
+            q,
+            k,
+            v,
+            g,
+            beta,
+            documents_per_token(doc_ids, v),
+            initial_state,
+            scale,
+            normalize_qk,
+            output_final_state,
         )
     return gated_delta_rule_reference(
         q,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import as_rows
 
 if TRITON_AVAILABLE:
     import triton
@@ -171,12 +172,6 @@ def _block_and_warps(n_cols: int) -> tuple[int, int]:
     return block, min(max(block // 512, 4), 16)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., hidden] as [rows, hidden] with a unit stride along hidden."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def _check_gate(x: torch.Tensor, gate: torch.Tensor) -> None:
     if gate.shape != x.shape or gate.dtype != x.dtype:
         raise ValueError(
@@ -209,12 +204,12 @@ def _rms_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual.
 
-    gate2d (rows of x's shape, from _rows) multiplies the output by silu(gate).
+    gate2d (rows of x's shape, from as_rows) multiplies the output by silu(gate).
     """
     _check(x, residual, weight)
-    x2d = _rows(x)
+    x2d = as_rows(x)
     n_rows, n_cols = x2d.shape
-    residual2d = _rows(residual) if residual is not None else x2d
+    residual2d = as_rows(residual) if residual is not None else x2d
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(y) if residual is not None else x2d
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -263,8 +258,8 @@ def _rms_norm_backward(
     summed2d = summed2d.contiguous()
     n_rows, n_cols = summed2d.shape
     # Gradients may arrive as row-strided views (kernels.linear returns dX beside the LoRA columns).
-    dy2d = _rows(dy)
-    dsummed2d = _rows(dsummed) if dsummed is not None else dy2d
+    dy2d = as_rows(dy)
+    dsummed2d = as_rows(dsummed) if dsummed is not None else dy2d
     dx = torch.empty_like(summed2d)
     dgate = torch.empty_like(summed2d) if gate2d is not None else None
     gate2d_or_x = gate2d if gate2d is not None else summed2d
@@ -347,7 +342,7 @@ class AddRMSNormFunction(torch.autograd.Function):
 class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        gate2d = _rows(gate)
+        gate2d = as_rows(gate)
         y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, 0.0, gate2d)
         ctx.save_for_backward(x2d, gate2d, weight, rstd)
         return y.view(x.shape)

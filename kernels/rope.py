@@ -11,6 +11,7 @@ QK-norm weight, and yarn/longrope's attention_scaling on cos and sin.
 import torch
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import unit_last_stride
 
 if TRITON_AVAILABLE:
     import triton
@@ -396,10 +397,6 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight) -> None:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(
@@ -439,7 +436,7 @@ def _rope_forward(
     q, k, positions, inv_freq, q_norm_weight, k_norm_weight, eps, weight_offset, attention_scaling
 ):
     _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight)
-    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    q, k = unit_last_stride(q), unit_last_stride(k)
     batch, seq_len, n_q_heads, head_dim = q.shape
     n_k_heads = k.shape[2]
     q_out = torch.empty((batch, seq_len, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -483,8 +480,8 @@ def _rope_backward(
     dweights,
 ):
     """dq, dk and the QK-norm weight gradients asked for in `dweights` (q, k), else None."""
-    dq_out, dk_out = _unit_last_stride(dq_out), _unit_last_stride(dk_out)
-    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    dq_out, dk_out = unit_last_stride(dq_out), unit_last_stride(dk_out)
+    q, k = unit_last_stride(q), unit_last_stride(k)
     batch, seq_len, n_q_heads, head_dim = dq_out.shape
     n_k_heads = dk_out.shape[2]
     n_tokens = batch * seq_len

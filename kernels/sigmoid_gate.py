@@ -9,6 +9,7 @@ Backward recomputes sigmoid(gate) from the saved inputs.
 import torch
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import unit_last_stride
 
 if TRITON_AVAILABLE:
     import triton
@@ -134,10 +135,6 @@ def _check(x: torch.Tensor, gate: torch.Tensor) -> None:
         raise TypeError(f"sigmoid_gate needs a floating-point input, got {x.dtype}")
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _grid_and_blocks(shape: torch.Size) -> tuple[tuple[int, int], dict]:
     batch, seq_len, n_heads, head_dim = shape
     block_d = triton.next_power_of_2(head_dim)
@@ -148,7 +145,7 @@ def _grid_and_blocks(shape: torch.Size) -> tuple[tuple[int, int], dict]:
 
 
 def _sigmoid_gate_forward(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    x, gate = _unit_last_stride(x), _unit_last_stride(gate)
+    x, gate = unit_last_stride(x), unit_last_stride(gate)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grid, blocks = _grid_and_blocks(x.shape)
     _sigmoid_gate_fwd_kernel[grid](
@@ -160,7 +157,7 @@ def _sigmoid_gate_forward(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def _sigmoid_gate_backward(
     dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dout, x, gate = _unit_last_stride(dout), _unit_last_stride(x), _unit_last_stride(gate)
+    dout, x, gate = unit_last_stride(dout), unit_last_stride(x), unit_last_stride(gate)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dgate = torch.empty_like(dx)
     grid, blocks = _grid_and_blocks(x.shape)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import as_rows
 
 if TRITON_AVAILABLE:
     import triton
@@ -301,12 +302,6 @@ def _splits(blocks: int, programs: int, reduced: bool, target: int) -> tuple[int
     return triton.cdiv(blocks, per_split), per_split
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., n] as [rows, n] with a unit stride along n."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def _rank_block(rank: int) -> int:
     """tl.dot takes no dimension under 16."""
     return max(16, triton.next_power_of_2(max(rank, 1)))
@@ -342,10 +337,10 @@ class _Operands:
     dtype (gate_up itself stands in for an absent one: the kernel never reads it), ranks, flags."""
 
     def __init__(self, gate_up, lora_t, gate_b, up_b, down_a):
-        self.gate_up = _rows(gate_up)
+        self.gate_up = as_rows(gate_up)
         self.n_rows, self.n_cols = self.gate_up.shape[0], self.gate_up.shape[1] // 2
         self.dtype, self.device = gate_up.dtype, gate_up.device
-        self.t = self.gate_up if lora_t is None else _rows(lora_t)
+        self.t = self.gate_up if lora_t is None else as_rows(lora_t)
         self.rank = next((b.shape[1] for b in (gate_b, up_b) if b is not None), 0)
         self.down_rank = 0 if down_a is None else down_a.shape[0]
         self.present = (gate_b is not None, up_b is not None, down_a is not None)
@@ -413,8 +408,8 @@ def _swiglu_backward(dh, down_dt, gate_up, lora_t, gate_b, up_b, scaling, down_a
     absent; dlora_t [rows, ranks] in fp32 only with lora_t_grad."""
     ops = _Operands(gate_up, lora_t, gate_b, up_b, down_a)
     n_rows, n_cols = ops.n_rows, ops.n_cols
-    dh2d = _rows(dh)
-    down_dt2d = dh2d if down_dt is None else _rows(down_dt.to(ops.dtype))
+    dh2d = as_rows(dh)
+    down_dt2d = dh2d if down_dt is None else as_rows(down_dt.to(ops.dtype))
     dgate_up = torch.empty((n_rows, 2 * n_cols), dtype=ops.dtype, device=ops.device)
     col_blocks = triton.cdiv(n_cols, _BWD_BLOCK_N)
     row_blocks = triton.cdiv(n_rows, _BWD_BLOCK_T)
