@@ -3,9 +3,10 @@
 Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--fixed-order] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
-chunk_gated_delta_rule when it imports (its backward refuses on Hopper with triton < 3.7.1; the row
-then says so) and of transformers' torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768
-tokens, each a single document and (ours only) packed with documents of 512 tokens.
+chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
+3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
+torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
+(ours and fla) packed with documents of 512 tokens.
 `--value-blocks` also times ours with the scans' value columns per program set to each size (our
 default is kernels.delta_rule._block_v); `--fixed-order` runs everything under deterministic
 algorithms, where our backward keeps each value block's share apart instead of adding them with atomics.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -56,22 +58,55 @@ def value_block(columns: int | None):
         delta_rule_module._block_v = default
 
 
-def fla_chunk() -> Callable | None:
+def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
+    """flash-linear-attention's chunked kernels and where they came from: the fla package where it
+    imports, else the copy Unsloth vendors in unsloth_zoo, registered as `fla` the way Unsloth does
+    (what Unsloth trains Qwen3.5 with). (None, why neither imports) otherwise."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:  # noqa: BLE001 - any import failure means "not available here"
-        return None
-    return lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+        return chunk_gated_delta_rule, "fla"
+    except Exception as error:  # noqa: BLE001 - any import failure means "try the vendored copy"
+        package_error = f"fla: {type(error).__name__}: {error}"
+    if importlib.util.find_spec("unsloth_zoo") is None:
+        return None, f"{package_error}; unsloth_zoo is not installed"
+    try:
+        from unsloth_zoo.temporary_patches.fla_vendor import _inject_vendored_fla
+
+        injected, _ = _inject_vendored_fla()
+        if not injected:
+            return None, f"{package_error}; unsloth_zoo did not register its vendored fla"
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return None, f"{package_error}; unsloth_zoo's vendored fla: {type(error).__name__}: {error}"
+    return chunk_gated_delta_rule, "unsloth_zoo's vendored fla"
+
+
+def fla_chunk(chunk_gated_delta_rule: Callable, cu_seqlens: torch.Tensor | None) -> Callable:
+    """fla's call as Qwen3.5 makes it; packed rows go as one row with cu_seqlens, fla's layout."""
+
+    def call(q, k, v, g, beta):
+        if cu_seqlens is None:
+            return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        flat = [t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        return chunk_gated_delta_rule(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+
+    return call
 
 
 def transformers_chunk() -> Callable | None:
+    """transformers' torch reference, given q and k repeated to the value heads as its model does."""
     try:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
     except ImportError:
         return None
-    return lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
-        q, k, v, g, beta, use_qk_l2norm_in_kernel=True
-    )[0]
+
+    def call(q, k, v, g, beta):
+        repeat = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    return call
 
 
 def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
@@ -121,21 +156,34 @@ def main() -> None:
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
     torch.use_deterministic_algorithms(args.fixed_order, warn_only=True)
     value_blocks = [int(columns) for columns in args.value_blocks.split(",") if columns]
+    fla, fla_source = fla_chunk_gated_delta_rule()
     results = []
     for batch, seq in SHAPES:
         leaves = inputs(batch, seq)
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
+        cu_seqlens = torch.arange(0, batch * seq + 1, PACKED_LENGTH, device="cuda")
         implementations = {
             "ours": (ours(None), None),
             f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None),
             **{f"ours, {columns} value columns a program": (ours(None), columns) for columns in value_blocks},
-            "fla chunk_gated_delta_rule": (fla_chunk(), None),
+            **(
+                {
+                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), None),
+                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), None),
+                }
+                if fla
+                else {"fla chunk_gated_delta_rule": (None, None)}
+            ),
             "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), None),
         }
         rows = {}
         for name, (fn, columns) in implementations.items():
             if fn is None:
-                rows[name] = {"fwd": None, "fwd+bwd": None, "error": "not importable"}
+                rows[name] = {
+                    "fwd": None,
+                    "fwd+bwd": None,
+                    "error": fla_source if "fla" in name else "not importable",
+                }
                 continue
             with value_block(columns):
                 rows[name] = time_one(fn, leaves)

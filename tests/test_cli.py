@@ -11,8 +11,6 @@ import yaml
 from checkpoints import write_run
 from safetensors.torch import load_file, save_file
 
-from qlora_cli.config.checks import FP8_REFUSED
-
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,13 +181,13 @@ def test_done_and_resuming_lines_stay_whole_in_captured_output_however_long_the_
     assert lines[-1].startswith("done: 3 steps") and lines[-1].endswith(f", adapter in {output_dir}")
 
 
-def test_fp8_is_refused_before_loading(tmp_path, run_cli):
-    """fp8: true is one line and no run folder content, wherever it runs, until its GPU checks pass;
-    it is never silently bf16 either."""
+def test_fp8_where_it_cannot_run_stops_before_loading(tmp_path, run_cli):
+    """On the CPU fp8: true is one line and no run folder content: it is never silently bf16."""
     config = write_run(tmp_path / "run", fp8=True)
     code, _, err = run_cli("train", config)
     line = _one_error_line(err)
-    assert code == 2 and line.endswith(FP8_REFUSED)
+    assert code == 2 and "'fp8' needs an NVIDIA GPU of compute capability 8.9 or newer" in line
+    assert line.endswith("this run is on the CPU")
     assert not list((tmp_path / "run").glob("**/checkpoint-*"))
 
 

@@ -268,16 +268,6 @@ def _dataset_problems(config: TrainConfig) -> list[str]:
     return problems
 
 
-# An option is offered once its GPU checks pass: on an H200 (2026-12-02) tests/test_gpu_fp8.py's Qwen3.5
-# step was outside the bound it then had, and no 200-step run against bf16 has been made at Llama's or
-# Qwen3.5's shapes.
-FP8_REFUSED = (
-    "config key 'fp8': refused until its GPU checks pass: the FP8 step at Qwen3.5's shapes (0.60 from "
-    "the bf16 step's LoRA gradients) and 200 steps against bf16 are not yet shown to stay within "
-    "e4m3's rounding; train in bf16 (fp8: false)"
-)
-
-
 def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str, ...], str]]:
     """(the keys it concerns, the problem) for each rule among keys that holds no more."""
     if not config.datasets:
@@ -303,8 +293,6 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
             ("fp8", "load_in_4bit"),
             "config key 'fp8': it multiplies the NF4 base in FP8, so it needs load_in_4bit: true",
         )
-    elif config.fp8:
-        yield ("fp8",), FP8_REFUSED
     if config.gradient_checkpointing == "auto" and config.memory_budget_gb is None:
         yield (
             ("gradient_checkpointing", "memory_budget_gb"),
