@@ -8,12 +8,16 @@ backward only scales it by the incoming gradient. Only one chunk of logits exist
 
 Precision: the logits buffer has the dtype of `hidden` (bf16 on GPU, as HF's lm_head produces
 them); the GEMMs accumulate in fp32, and the logsumexp, loss and softmax math run in fp32.
+
+The same per-row losses, negated and summed per document of a packed row, are the documents' label
+log-probs that a preference loss compares (linear_document_logprobs).
 """
 
 import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._layout import documents_per_token
 
 if TRITON_AVAILABLE:
     import triton
@@ -30,6 +34,41 @@ def linear_cross_entropy_reference(
     logits = hidden.float() @ weight.float().T
     loss_sum = F.cross_entropy(logits, labels, reduction="sum", ignore_index=ignore_index)
     return loss_sum, (labels != ignore_index).sum()
+
+
+def linear_token_logprobs_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+) -> torch.Tensor:
+    """Each row's label log-prob in fp32 (0 where the label is ignored), from the full logits."""
+    logits = hidden.float() @ weight.float().T
+    trained = labels != ignore_index
+    logprobs = F.log_softmax(logits, dim=-1).gather(1, labels.where(trained, 0)[:, None]).squeeze(1)
+    return logprobs.where(trained, 0.0)
+
+
+def document_sums(token_values: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-token values summed per document: [b, d] is row b's document d (counted from 0
+    along the row, as kernels._layout numbers them), 0 past the row's last document.
+
+    T columns hold any row's documents, so the shape never depends on the data: no host read, and a
+    CUDA graph can capture it."""
+    sums = torch.zeros(token_values.shape, dtype=token_values.dtype, device=token_values.device)
+    return sums.scatter_add(1, documents.long(), token_values)
+
+
+def linear_document_logprobs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """linear_document_logprobs from the full logits, in fp32."""
+    token_logprobs = linear_token_logprobs_reference(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), ignore_index=ignore_index
+    )
+    return document_sums(token_logprobs.view(labels.shape), documents_per_token(doc_ids, hidden))
 
 
 # Defined only where triton is installed; without it use_triton() is False and the references run.
@@ -161,7 +200,8 @@ def linear_cross_entropy_forward(
     ignore_index: int,
     needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed loss in fp32 and, if needs_grad, d loss_sum / d hidden, one chunk of rows at a time."""
+    """Per-row losses in fp32 and, if needs_grad, each row's d loss / d hidden, one chunk of rows at a
+    time (a row's gradient depends on its own loss only)."""
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"hidden and weight must share a float dtype; got {hidden.dtype}, {weight.dtype}")
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
@@ -181,7 +221,7 @@ def linear_cross_entropy_forward(
         _cross_entropy_rows(logits, labels[start:end], row_loss[start:end], ignore_index, needs_grad)
         if needs_grad:
             torch.mm(logits, weight, out=grad_hidden[start:end])
-    return row_loss.sum(), grad_hidden
+    return row_loss, grad_hidden
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -189,16 +229,35 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
-        loss_sum, grad_hidden = linear_cross_entropy_forward(
+        row_loss, grad_hidden = linear_cross_entropy_forward(
             hidden, weight, labels, chunk_size, ignore_index, needs_grad=ctx.needs_input_grad[0]
         )
         ctx.save_for_backward(grad_hidden)
-        return loss_sum
+        return row_loss.sum()
 
     @staticmethod
     def backward(ctx, grad_loss_sum):
         (grad_hidden,) = ctx.saved_tensors
         grad_hidden = (grad_hidden.float() * grad_loss_sum).to(grad_hidden.dtype)
+        return grad_hidden, None, None, None, None
+
+
+class LinearTokenLogprobsFunction(torch.autograd.Function):
+    """Each row's label log-prob, the negated row loss; its gradient is computed in forward, and
+    backward weighs each row's by that row's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+        row_loss, grad_hidden = linear_cross_entropy_forward(
+            hidden, weight, labels, chunk_size, ignore_index, needs_grad=ctx.needs_input_grad[0]
+        )
+        ctx.save_for_backward(grad_hidden)
+        return -row_loss
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        (grad_hidden,) = ctx.saved_tensors
+        grad_hidden = (grad_hidden.float() * -grad_logprobs[:, None]).to(grad_hidden.dtype)
         return grad_hidden, None, None, None, None
 
 
@@ -220,3 +279,32 @@ def linear_cross_entropy(
         return linear_cross_entropy_reference(hidden, weight, labels, ignore_index=ignore_index)
     loss_sum = LinearCrossEntropyFunction.apply(hidden, weight, labels, chunk_size, ignore_index)
     return loss_sum, (labels != ignore_index).sum()
+
+
+def linear_document_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """fp32 [B, T]: [b, d] is the sum of the label log-probs of row b's document d, logits being
+    hidden @ weight.T; ignored labels add nothing, and columns past a row's last document are 0.
+
+    hidden is [B, T, H] and labels [B, T]; doc_ids [B, T] delimit a packed row's documents as the
+    attention kernels read them (None: each row is one document). What a preference loss compares
+    (a policy's and a reference model's log-prob of each document); the gradient reaches hidden only,
+    and no [tokens x vocab] logits exist on the Triton path.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"expected hidden [B, T, H] and labels [B, T]; got {tuple(hidden.shape)}, {tuple(labels.shape)}"
+        )
+    rows, row_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    _check_inputs(rows, weight, row_labels, ignore_index)
+    if not use_triton(hidden):
+        return linear_document_logprobs_reference(hidden, weight, labels, doc_ids, ignore_index=ignore_index)
+    token_logprobs = LinearTokenLogprobsFunction.apply(rows, weight, row_labels, chunk_size, ignore_index)
+    return document_sums(token_logprobs.view(labels.shape), documents_per_token(doc_ids, hidden))

@@ -7,6 +7,8 @@ from qlora_kernels.cross_entropy import (
     default_chunk_size,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    linear_document_logprobs,
+    linear_document_logprobs_reference,
 )
 
 UPSTREAM_GRAD = 0.37
@@ -154,3 +156,74 @@ def test_gpu_peak_memory_stays_far_below_full_logits():
     full_logits_bytes = hidden.shape[0] * weight.shape[0] * 2
     # One 256 MiB logits chunk plus d hidden: 280 MiB of the 2376 MiB full logits on an H200.
     assert extra <= full_logits_bytes // 4, f"peak extra {extra / 2**20:.0f} MiB"
+
+
+# Three packed rows of 13: documents of 4, 5 and 4 tokens (the last all ignored, as padding is); one
+# document whose id comes back after another (a new document); one document filling the row.
+PACKED_DOC_IDS = torch.tensor(
+    [[0] * 4 + [1] * 5 + [2] * 4, [0] * 3 + [1] * 6 + [0] * 4, [5] * 13], dtype=torch.int32
+)
+
+
+def packed_inputs(n_vocab=301, hidden_size=24, seed=1):
+    hidden, weight, labels = make_inputs(39, hidden_size, n_vocab, ignored_every=4, seed=seed)
+    labels = labels.view(3, 13)
+    labels[0, 9:] = -100
+    return hidden.view(3, 13, hidden_size), weight, labels
+
+
+def document_logprobs_by_hand(hidden, weight, labels, doc_ids):
+    """Each document's label log-probs summed from F.log_softmax gathers, its span read off doc_ids
+    one row at a time: [b, d] for row b's d-th document."""
+    sums = torch.zeros(labels.shape, dtype=torch.float32)
+    logprobs = torch.nn.functional.log_softmax(hidden.float() @ weight.float().T, dim=-1)
+    for b in range(labels.shape[0]):
+        row_ids = doc_ids[b].tolist() if doc_ids is not None else [0] * labels.shape[1]
+        starts = [t for t in range(len(row_ids)) if t == 0 or row_ids[t] != row_ids[t - 1]]
+        for d, (start, end) in enumerate(zip(starts, [*starts[1:], len(row_ids)], strict=True)):
+            for t in range(start, end):
+                if labels[b, t] != -100:
+                    sums[b, d] = sums[b, d] + logprobs[b, t, labels[b, t]]
+    return sums
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+@pytest.mark.parametrize(("doc_ids", "chunk_size"), [(PACKED_DOC_IDS, 5), (PACKED_DOC_IDS, None), (None, 7)])
+def test_document_logprobs_forward_and_backward_match_log_softmax_gathers(path, doc_ids, chunk_size, request):
+    """Per-document sums and the gradient they send to hidden, for upstream weights that differ per
+    document, on odd packed shapes: the kernel in the interpreter and the torch reference alike."""
+    if path == "reference":
+        request.getfixturevalue("reference_ops")
+    hidden, weight, labels = packed_inputs()
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(2))
+    expected_hidden = hidden.clone().requires_grad_()
+    expected = document_logprobs_by_hand(expected_hidden, weight, labels, doc_ids)
+    (expected_grad,) = torch.autograd.grad((expected * upstream).sum(), expected_hidden)
+    got_hidden = hidden.clone().requires_grad_()
+    got = linear_document_logprobs(got_hidden, weight, labels, doc_ids, chunk_size=chunk_size)
+    (got_grad,) = torch.autograd.grad((got * upstream).sum(), got_hidden)
+
+    assert got.dtype == torch.float32 and got.shape == labels.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
+    if doc_ids is not None:
+        assert (got[0, 2], got[1, 3:].abs().sum(), got[2, 1:].abs().sum()) == (0, 0, 0)
+        assert torch.count_nonzero(got_grad[labels == -100]) == 0
+
+
+def test_document_logprobs_sum_to_minus_the_loss():
+    """Every document's log-prob, summed, is minus linear_cross_entropy's summed loss."""
+    hidden, weight, labels = packed_inputs(n_vocab=5000)
+    sums = linear_document_logprobs(hidden, weight, labels, PACKED_DOC_IDS, chunk_size=16)
+    loss_sum, _ = linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(), chunk_size=16)
+    torch.testing.assert_close(-sums.sum(), loss_sum, rtol=1e-5, atol=1e-4)
+    reference = linear_document_logprobs_reference(hidden, weight, labels, PACKED_DOC_IDS)
+    torch.testing.assert_close(sums, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_document_logprobs_refuse_mismatched_shapes():
+    hidden, weight, labels = packed_inputs()
+    with pytest.raises(ValueError, match=r"hidden \[B, T, H\] and labels \[B, T\]"):
+        linear_document_logprobs(hidden, weight, labels.flatten(), PACKED_DOC_IDS)
+    with pytest.raises(ValueError, match="doc_ids must be"):
+        linear_document_logprobs(hidden, weight, labels, PACKED_DOC_IDS[:, :5])

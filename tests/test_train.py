@@ -34,7 +34,8 @@ from qlora_cli.rundir.trainer_state import read_trainer_state
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
 from qlora_cli.train.schedule import learning_rate
-from qlora_cli.train.step import optimizer_step, train_step
+from qlora_cli.train.step import evaluate, optimizer_step, train_step
+from qlora_kernels.cross_entropy import linear_document_logprobs
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,6 +248,57 @@ def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
     train_step(run, 0)
     for param, grad in zip(params, expected, strict=True):
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
+
+
+def first_documents_nll(model, input_ids, labels, position_ids, doc_ids):
+    """A test-only objective: minus the summed log-probs of each row's first document alone, counted
+    over that document's trained tokens."""
+    hidden = model.hidden_states(input_ids, position_ids, doc_ids)
+    logprobs = linear_document_logprobs(hidden, model.lm_head, labels, doc_ids)
+    first = (doc_ids != doc_ids[:, :1]).cumsum(1) == 0
+    return -logprobs[:, 0].sum(), ((labels != -100) & first).sum()
+
+
+def test_an_objective_plugged_in_through_the_seam_is_what_the_step_and_evaluation_minimise(tmp_path):
+    """build_run's objective alone decides the loss: the step's loss and gradient, and the evaluation,
+    are those of first_documents_nll computed here from the logits, not the causal LM loss."""
+    config = load_config(
+        write_run(
+            tmp_path / "run",
+            micro_batch_size=2,
+            gradient_accumulation_steps=2,
+            sample_packing=True,
+            val_set_size=0.25,
+            eval_steps=1,
+        )
+    )
+    run = build_run(config, objective=first_documents_nll)
+    params = run.model.trainable_parameters()
+
+    def by_hand(batch):
+        logits = run.model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        trained = batch.labels != -100
+        first = (batch.doc_ids != batch.doc_ids[:, :1]).cumsum(1) == 0
+        logprobs = torch.log_softmax(logits, -1).gather(2, batch.labels.where(trained, 0)[..., None])[..., 0]
+        return -logprobs[trained & first].sum(), int((trained & first).sum())
+
+    batches = [run.train_plan.batch(0, index) for index in range(2)]
+    total = sum(by_hand(b)[0] for b in batches)
+    trained = sum(b.n_tokens for b in batches)
+    assert sum(by_hand(b)[1] for b in batches) < trained, "rows must hold documents after their first"
+    expected = torch.autograd.grad(total / trained, params)
+    run.model.eval()
+    with torch.no_grad():
+        evaluated = [by_hand(run.eval_plan.batch(0, i)) for i in range(run.eval_plan.num_batches)]
+    run.model.train()
+    expected_eval = sum(float(t) for t, _ in evaluated) / sum(n for _, n in evaluated)
+
+    loss_sum, step_trained, _ = train_step(run, 0)
+    assert step_trained == trained
+    assert loss_sum == pytest.approx(float(total.detach()), rel=1e-5)
+    for param, grad in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
+    assert evaluate(run)[0] == pytest.approx(expected_eval, rel=1e-5)
 
 
 # Learning rate 1e-3 over 10 optimizer steps (0-based): warmup step s of W runs at (s + 1) / (W + 1);

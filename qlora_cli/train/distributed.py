@@ -31,6 +31,7 @@ from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped
 from qlora_cli.core.wording import count
 from qlora_cli.rundir.folder import check_new_run, latest_checkpoint
 from qlora_cli.rundir.trainer_state import read_trainer_state
+from qlora_cli.train.objectives import Objective
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_KEY = "qlora/first-failure"
@@ -47,14 +48,15 @@ SHARED_OUTCOMES = (TrainingStopped, RunInterrupted, RankFailed)
 
 
 class LossModule(nn.Module):
-    """The model's loss as a module's forward, so DDP's hooks see every forward and backward."""
+    """The run's objective on the model as a module's forward, so DDP's hooks see every forward and backward."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, objective: Objective):
         super().__init__()
         self.model = model
+        self.objective = objective
 
     def forward(self, input_ids, labels, position_ids, doc_ids):
-        return self.model.loss(input_ids, labels, position_ids, doc_ids)
+        return self.objective(self.model, input_ids, labels, position_ids, doc_ids)
 
 
 def _env_int(name: str) -> int:
@@ -183,15 +185,15 @@ class Distributed:
 
     # ----- gradients -----
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module a training step calls: the loss, under DDP when there are several ranks.
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        """The module a training step calls: the objective on the model, under DDP when there are several ranks.
 
         Only LoRA (and trained norm) weights are parameters that need gradients; frozen NF4 weights are
         plain attributes DDP never sees. Every trainable parameter is used in every forward. Buffers are
         not broadcast: RoPE's inverse frequencies are the same on every rank, and the LoRA dropout seed
         must stay each rank's own (it names the micro-batch the rank reads).
         """
-        module = LossModule(model)
+        module = LossModule(model, objective)
         if not self.active:
             return module
         return DistributedDataParallel(

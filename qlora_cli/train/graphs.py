@@ -8,8 +8,9 @@ a 7B one, whose time is in its GEMMs (benchmarks/RESULTS.md).
 
 What a graph needs, and what callers keep:
   - the same input shapes on every call (packed rows; the trainer pads a short last batch);
-  - no host synchronisation inside the loss (kernels.cross_entropy skips its label check while a
-    graph is captured, so the labels are checked here, on the host, instead);
+  - no host synchronisation inside the loss, the run's objective (train/objectives.py) on the model
+    (kernels.cross_entropy skips its label check while a graph is captured, so the labels are
+    checked here, on the host, instead);
   - gradients that stay where the graph writes them: zero them in place, never set them to None;
   - random numbers drawn from a seed the graph reads on the device: LoRA dropout's masks come from
     the model's dropout seed (kernels.dropout), which the step writes before each micro-batch, so a

@@ -31,6 +31,7 @@ from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
+from qlora_cli.train.objectives import Objective, causal_lm
 from qlora_cli.train.schedule import warmup_note
 
 
@@ -47,6 +48,7 @@ class Run:
     total_steps: int
     notes: list[str]
     dist: Distributed
+    objective: Objective  # what the step minimises (qlora_cli/train/objectives.py)
     loss_module: torch.nn.Module
     graphed: GraphedLoss | None = None
     eval_every: int | None = None  # optimizer steps between evaluations
@@ -99,10 +101,12 @@ def build_run(
     *,
     eager: bool = False,
     check_space: bool = False,
+    objective: Objective = causal_lm,
 ) -> Run:
     """The run a config describes. eager: launch op by op even where CUDA graphs could replay the
     micro-batches (a profile times ops one by one). check_space: before any weights load, make sure
-    output_dir has room for the checkpoints and adapter of this model."""
+    output_dir has room for the checkpoints and adapter of this model. objective: what its steps
+    minimise."""
     dist = dist or Distributed(device=select_device(config.device))
     if config.fp8 and (problem := fp8_problem(dist.device)):
         raise QLoraError(problem)
@@ -135,9 +139,9 @@ def build_run(
     model_start = time.perf_counter()
     model = _setup_model(config, folder, dist.device, plan, start_adapter)
     model_s = time.perf_counter() - model_start
-    # The optimizer holds the model's trainable parameters; graphs replay the wrapped model's loss.
+    # The optimizer holds the model's trainable parameters; graphs replay the wrapped objective.
     optimizer = _setup_optimizer(config, model)
-    loss_module = dist.wrap(model)
+    loss_module = dist.wrap(model, objective)
     graphed = None
     if not eager:
         graphed = graphed_loss_for(config, loss_module, dist.device, spec.vocab_size, dist.world_size)
@@ -151,6 +155,7 @@ def build_run(
         total_steps=total_steps,
         notes=notes,
         dist=dist,
+        objective=objective,
         loss_module=loss_module,
         graphed=graphed,
         eval_every=eval_every,

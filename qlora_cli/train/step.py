@@ -118,7 +118,8 @@ def optimizer_step(run: Run, step: int) -> float:
 
 
 def evaluate(run: Run) -> tuple[float, float]:
-    """Mean token loss and perplexity over the whole validation set, shared among the ranks."""
+    """Mean token loss (the run's objective per trained token) and perplexity over the whole validation
+    set, shared among the ranks."""
     model, plan = run.model, run.eval_plan
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -126,9 +127,8 @@ def evaluate(run: Run) -> tuple[float, float]:
     with torch.no_grad():
         for index in run.dist.shard(plan.num_batches):
             batch = plan.batch(0, index).to(run.device)
-            total, n = model.loss(
-                batch.input_ids, batch.labels, batch.position_ids, run.packed_doc_ids(batch, plan)
-            )
+            doc_ids = run.packed_doc_ids(batch, plan)
+            total, n = run.objective(model, batch.input_ids, batch.labels, batch.position_ids, doc_ids)
             loss_sum += total.double().cpu()
             count += int(n)
     model.train()

@@ -1,0 +1,36 @@
+"""What a training step minimises: an objective, given the model and one micro-batch's tensors.
+
+The step, its CUDA graph and DDP's module (train/distributed.py, LossModule) reach the model through
+the run's objective and never call its loss themselves, so another objective (a preference loss over
+documents' log-probs, qlora_kernels.cross_entropy.linear_document_logprobs) trains through the same
+step, graphs and ranks. The step divides what an objective returns by the trained tokens of the
+whole accumulated batch. A graphed run captures the objective, which must then keep its shapes fixed
+and never read a device value back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from qlora_cli.model.decoder import QLoRAModel
+
+
+class Objective(Protocol):
+    def __call__(
+        self,
+        model: QLoRAModel,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's summed loss, fp32 0-d; its trained-token count, which evaluation divides by)."""
+
+
+def causal_lm(
+    model: QLoRAModel, input_ids, labels, position_ids, doc_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over the trained labels: what `qlora train` trains."""
+    return model.loss(input_ids, labels, position_ids, doc_ids)
