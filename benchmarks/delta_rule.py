@@ -1,6 +1,6 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--fixed-order] [--json FILE]
+Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--before FILE] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -8,8 +8,9 @@ chunk_gated_delta_rule (the fla package where it imports, its backward refusing 
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
 `--value-blocks` also times ours with the scans' value columns per program set to each size (our
-default is kernels.delta_rule._block_v); `--fixed-order` runs everything under deterministic
-algorithms, where our backward keeps each value block's share apart instead of adding them with atomics.
+default is kernels.delta_rule._block_v); `--before FILE` also times another copy of
+kernels/delta_rule.py (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
+after come from one call.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import argparse
 import contextlib
 import importlib.util
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
 import qlora_kernels.delta_rule as delta_rule_module
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
-from qlora_kernels.delta_rule import gated_delta_rule
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 SHAPES = [(4, 2048), (1, 32768)]
@@ -42,8 +43,16 @@ def inputs(batch: int, seq: int) -> list[torch.Tensor]:
     return [q, k, v, g, beta]
 
 
-def ours(doc_ids: torch.Tensor | None) -> Callable:
-    return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+def ours(doc_ids: torch.Tensor | None, module: ModuleType = delta_rule_module) -> Callable:
+    return lambda q, k, v, g, beta: module.gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+
+
+def load_before(path: str) -> ModuleType:
+    """A saved copy of kernels/delta_rule.py, imported beside ours under its own name."""
+    spec = importlib.util.spec_from_file_location("qlora_kernels.delta_rule_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
@@ -147,16 +156,14 @@ def main() -> None:
         default="",
         help="also time ours at these value columns per scan program, e.g. 16,64",
     )
-    parser.add_argument(
-        "--fixed-order", action="store_true", help="run under deterministic algorithms (no atomics)"
-    )
+    parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
-    torch.use_deterministic_algorithms(args.fixed_order, warn_only=True)
     value_blocks = [int(columns) for columns in args.value_blocks.split(",") if columns]
     fla, fla_source = fla_chunk_gated_delta_rule()
+    before = load_before(args.before) if args.before else None
     results = []
     for batch, seq in SHAPES:
         leaves = inputs(batch, seq)
@@ -166,6 +173,14 @@ def main() -> None:
             "ours": (ours(None), None),
             f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None),
             **{f"ours, {columns} value columns a program": (ours(None), columns) for columns in value_blocks},
+            **(
+                {
+                    "before": (ours(None, before), None),
+                    f"before, packed {PACKED_LENGTH}": (ours(doc_ids, before), None),
+                }
+                if before
+                else {}
+            ),
             **(
                 {
                     f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), None),
@@ -210,7 +225,7 @@ def main() -> None:
                 if "error" in key:
                     print(f"    {key}: {value}")
         results.append({"batch": batch, "seq": seq, "implementations": rows})
-    write_json(args.json, "benchmarks.delta_rule", {"fixed_order": args.fixed_order, "shapes": results})
+    write_json(args.json, "benchmarks.delta_rule", {"before": args.before, "shapes": results})
 
 
 if __name__ == "__main__":

@@ -556,11 +556,14 @@ if TRITON_AVAILABLE:
         HAS_INITIAL: tl.constexpr,
         STORE_FINAL: tl.constexpr,
         STORE_STATES: tl.constexpr,
+        STORE_OUTPUT: tl.constexpr,
     ):
         """One (Dv block, batch, v-head) walks the chunks in order, its state slice [Dk, BLOCK_V]
         in fp32 registers (the delta rule is separable over v's columns):
         delta = U - W S;  o = (carry exp(b) Q) S + Aqk delta;
-        S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta."""
+        S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta.
+        Backward's rerun stores the entering states (in the tables' dtype: backward only multiplies
+        them) and the corrections, and skips o, which it does not read."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
@@ -597,7 +600,7 @@ if TRITON_AVAILABLE:
             if STORE_STATES:
                 tl.store(
                     h_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
-                    s,
+                    s.to(h_ptr.dtype.element_ty),
                     mask=state_mask,
                 )
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
@@ -608,11 +611,12 @@ if TRITON_AVAILABLE:
             delta = tl.load(u_ptr + v_at, mask=v_mask, other=0.0) - _mma(w, s, dot)
             if STORE_STATES:
                 tl.store(delta_ptr + v_at, delta.to(delta_ptr.dtype.element_ty), mask=v_mask)
-            q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
-            q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
-            aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
-            o = _mma(q, s, dot) + _mma(aqk, delta, dot)
-            tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+            if STORE_OUTPUT:
+                q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
+                q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
+                aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
+                o = _mma(q, s, dot) + _mma(aqk, delta, dot)
+                tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_mask)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
             k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
             s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + _mma(tl.trans(k), delta, dot)
@@ -627,18 +631,12 @@ if TRITON_AVAILABLE:
         aqk_ptr,
         b_ptr,
         docs_ptr,
-        h_ptr,
-        delta_ptr,
         do_ptr,
         dht_ptr,
         ddelta_ptr,
-        dq_ptr,
-        dk_ptr,
-        dw_ptr,
-        db_ptr,
+        dh_ptr,
         dh0_ptr,
         seq,
-        batches,
         k_heads,
         v_heads,
         k_dim,
@@ -654,18 +652,15 @@ if TRITON_AVAILABLE:
         BLOCK_V: tl.constexpr,
         HAS_FINAL_GRAD: tl.constexpr,
         STORE_INITIAL_GRAD: tl.constexpr,
-        ADD_BLOCKS: tl.constexpr,
     ):
-        """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32. Per chunk it writes
-        d delta (its own v columns) and this Dv block's share of dq, dk, dW and db: added into one
-        fp32 sum with atomics (ADD_BLOCKS), or stored apart for the launcher to sum in a fixed order
-        (the intra-chunk terms come later, in _chunk_bwd_intra_kernel). dk is formed as
-        dk^T = dS delta^T, dS untransposed (see the NOTE on the Hopper miscompile)."""
-        v_block = tl.program_id(0)
+        """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32: only what the recurrence
+        needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta. It stores each
+        chunk's d delta and the dS leaving the chunk; the state's shares of dq, dk, dW and db, which
+        need no recurrence, follow chunk-parallel in _chunk_bwd_state_kernel."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
-        v_cols = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
         local = tl.arange(0, CHUNK)
         docs_ptr += batch * docs_stride_b
         dot = w_ptr.dtype.element_ty
@@ -678,11 +673,9 @@ if TRITON_AVAILABLE:
             )
         else:
             ds = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-        partial = 0 if ADD_BLOCKS else v_block.to(tl.int64) * batches * seq
         n_chunks = tl.cdiv(seq, CHUNK)
         # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
         k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
-        k_tile_t = local[None, :] * (v_heads * k_dim) + dims[:, None]
         v_tile = local[:, None] * (v_heads * v_dim) + v_cols[None, :]
         qk_tile = local[:, None] * (k_heads * k_dim) + dims[None, :]
         aqk_tile = local[:, None] * (v_heads * CHUNK) + local[None, :]
@@ -699,53 +692,122 @@ if TRITON_AVAILABLE:
             first = (batch * seq + start) * v_heads + head
             b = tl.load(b_ptr + first + local * v_heads, mask=valid, other=0.0)
             b_last = tl.load(b_ptr + (batch * seq + last) * v_heads + head)
-            read_scale = tl.where(carry, tl.exp(b), 0.0)
-            write_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)
-            decay = tl.where(last_carries, tl.exp(b_last), 0.0)
+            tl.store(
+                dh_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
+                ds.to(dh_ptr.dtype.element_ty),
+                mask=state_mask,
+            )
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
             v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
             qk_at = qk_base + start * (k_heads * k_dim) + qk_tile
             v_at = first * v_dim + v_tile
-            s0 = tl.load(
-                h_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
-                mask=state_mask,
-                other=0.0,
-            )
             do_at = batch * do_stride_b + start * do_stride_t + head * do_stride_h + do_tile
-            do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0).to(tl.float32)
-            delta = tl.load(delta_ptr + v_at, mask=v_mask, other=0.0)
+            do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
             aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
-            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k * write_scale[:, None], ds, dot)
+            k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot)
             tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
             q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
-            dq = _mma(do, tl.trans(s0), dot) * read_scale[:, None]
-            dk_t = _mma(ds, tl.trans(delta), dot) * write_scale[None, :]
-            dk_terms = tl.sum(dk_t * tl.trans(k), axis=0)
-            at_last = local == last - start
-            db = tl.sum(dq * q, axis=1) - dk_terms
-            db += tl.where(
-                at_last, tl.sum(dk_terms, axis=0) + decay * tl.sum(tl.sum(s0 * ds, axis=1), axis=0), 0.0
-            )
-            partial_first = partial * v_heads + first
-            dk_mask = (dims < k_dim)[:, None] & valid[None, :]
+            q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
             w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
-            dw = -_mma(ddelta, tl.trans(s0), dot)
-            if ADD_BLOCKS:
-                tl.atomic_add(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask, sem="relaxed")
-                tl.atomic_add(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask, sem="relaxed")
-                tl.atomic_add(dw_ptr + partial_first * k_dim + k_tile, dw, mask=k_mask, sem="relaxed")
-                tl.atomic_add(db_ptr + partial_first + local * v_heads, db, mask=valid, sem="relaxed")
-            else:
-                tl.store(dq_ptr + partial_first * k_dim + k_tile, dq, mask=k_mask)
-                tl.store(dk_ptr + partial_first * k_dim + k_tile_t, dk_t, mask=dk_mask)
-                tl.store(dw_ptr + partial_first * k_dim + k_tile, dw, mask=k_mask)
-                tl.store(db_ptr + partial_first + local * v_heads, db, mask=valid)
-            ds = (
-                ds * decay + _mma(tl.trans(q * read_scale[:, None]), do, dot) - _mma(tl.trans(w), ddelta, dot)
-            )
+            decay = tl.where(last_carries, tl.exp(b_last), 0.0)
+            ds = ds * decay + _mma(tl.trans(q), do, dot) - _mma(tl.trans(w), ddelta, dot)
         if STORE_INITIAL_GRAD:
             tl.store(dh0_ptr + (batch * v_heads + head) * state_size + state_offsets, ds, mask=state_mask)
+
+    @triton.jit
+    def _chunk_bwd_state_kernel(
+        q_ptr,
+        k_ptr,
+        b_ptr,
+        docs_ptr,
+        h_ptr,
+        dh_ptr,
+        delta_ptr,
+        ddelta_ptr,
+        do_ptr,
+        dq_ptr,
+        dk_ptr,
+        dw_ptr,
+        db_ptr,
+        seq,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        docs_stride_b,
+        docs_stride_t,
+        do_stride_b,
+        do_stride_t,
+        do_stride_h,
+        GROUP: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """Per chunk and v-head, the state's share of the gradients, from the state S entering the
+        chunk and the dS leaving it (both stored by the scans), over Dv in blocks of BLOCK_V:
+        dq = carry exp(b) dO S^T, dk = K~'s scale (delta dS^T), dW = -d delta S^T, and db's terms
+        (q . dq - k . dk, with the last token taking the decays' sum and exp(b_last) S . dS).
+        Written whole, in fp32, for _chunk_bwd_intra_kernel to add its terms to."""
+        n = tl.program_id(0)
+        batch = tl.program_id(1).to(tl.int64)
+        head = tl.program_id(2)
+        start = n * CHUNK
+        local = tl.arange(0, CHUNK)
+        rows = start + local
+        valid = rows < seq
+        dims = tl.arange(0, BLOCK_K)
+        k_mask = valid[:, None] & (dims < k_dim)[None, :]
+        _, carry, in_last, last, last_carries = _chunk_docs(
+            docs_ptr + batch * docs_stride_b, rows, start, seq, docs_stride_t, CHUNK
+        )
+        token_head = (batch * seq + rows) * v_heads + head
+        b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
+        b_last = tl.load(b_ptr + (batch * seq + last) * v_heads + head)
+        dot = h_ptr.dtype.element_ty
+        state_base = ((batch * tl.cdiv(seq, CHUNK) + n) * v_heads + head) * (k_dim * v_dim)
+        dq = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+        dk = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+        dw = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+        carried = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        for v_start in range(0, v_dim, BLOCK_V):
+            v_cols = v_start + tl.arange(0, BLOCK_V)
+            v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
+            state_mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
+            state_at = state_base + dims[:, None] * v_dim + v_cols[None, :]
+            s = tl.load(h_ptr + state_at, mask=state_mask, other=0.0)
+            ds = tl.load(dh_ptr + state_at, mask=state_mask, other=0.0)
+            v_at = token_head[:, None] * v_dim + v_cols[None, :]
+            do_at = batch * do_stride_b + rows[:, None] * do_stride_t + head * do_stride_h + v_cols[None, :]
+            do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
+            delta = tl.load(delta_ptr + v_at, mask=v_mask, other=0.0)
+            ddelta = tl.load(ddelta_ptr + v_at, mask=v_mask, other=0.0)
+            dq += _mma(do, tl.trans(s), dot)
+            dk += _mma(delta, tl.trans(ds), dot)
+            dw -= _mma(ddelta, tl.trans(s), dot)
+            carried += s.to(tl.float32) * ds.to(tl.float32)
+        dq *= tl.where(carry, tl.exp(b), 0.0)[:, None]
+        dk *= tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+        qk_offsets = (
+            (batch * seq + rows[:, None]) * (k_heads * k_dim) + (head // GROUP) * k_dim + dims[None, :]
+        )
+        q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0).to(tl.float32)
+        dk_terms = tl.sum(dk * k, axis=1)
+        decay = tl.where(last_carries, tl.exp(b_last), 0.0)
+        db = tl.sum(dq * q, axis=1) - dk_terms
+        db += tl.where(
+            local == last - start,
+            tl.sum(dk_terms, axis=0) + decay * tl.sum(tl.sum(carried, axis=1), axis=0),
+            0.0,
+        )
+        k_offsets = token_head[:, None] * k_dim + dims[None, :]
+        tl.store(dq_ptr + k_offsets, dq, mask=k_mask)
+        tl.store(dk_ptr + k_offsets, dk, mask=k_mask)
+        tl.store(dw_ptr + k_offsets, dw, mask=k_mask)
+        tl.store(db_ptr + token_head, db, mask=valid)
 
     @triton.jit
     def _chunk_bwd_intra_kernel(
@@ -990,6 +1052,10 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+# _chunk_bwd_state_kernel multiplies [64, Dv] tiles by the [Dk, Dv] states in Dv blocks of this many.
+_STATE_BLOCK_V = 64
+
+
 def _block_v(v_dim: int) -> int:
     """The scans run one program per (Dv block, batch, v-head); 32 columns keep the fp32 state slice
     [Dk, 32] in registers and give B*Hv*Dv/32 programs (256 at 9B's B=2) to fill the GPU."""
@@ -1067,7 +1133,8 @@ def _chunk_cumsum(x: torch.Tensor, docs: torch.Tensor, reverse: bool) -> torch.T
 
 def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, store_states):
     """The chunked forward on normalised q, k (in the tables' dtype) and the per-chunk cumulative log-decay b; with
-    store_states also the per-chunk entering states and corrections that backward reads."""
+    store_states, backward's rerun: the per-chunk entering states and corrections that backward reads,
+    and no output."""
     batch, seq, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2:]
     group = v_heads // k_heads
@@ -1136,7 +1203,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         else o
     )
     h = (
-        torch.empty(batch, n_chunks, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        torch.empty(batch, n_chunks, v_heads, k_dim, v_dim, dtype=tables, device=device)
         if store_states
         else o
     )
@@ -1168,6 +1235,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         HAS_INITIAL=initial_state is not None,
         STORE_FINAL=output_final_state,
         STORE_STATES=store_states,
+        STORE_OUTPUT=not store_states,
         num_warps=_WARPS,
         num_stages=_SCAN_STAGES,
     )
@@ -1236,39 +1304,24 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     v_heads, v_dim = v.shape[2:]
     group = v_heads // k_heads
     block_k, block_v = _block(k_dim), _block_v(v_dim)
-    n_v_blocks = triton.cdiv(v_dim, block_v)
     device = v.device
     do = unit_last_stride(do)
     ddelta = torch.empty(u.shape, dtype=w.dtype, device=device)
-    # Several Dv blocks add their shares into one fp32 sum with atomics; under deterministic
-    # algorithms each keeps its own, summed in block order (n_v_blocks times the memory).
-    add_blocks = n_v_blocks > 1 and not torch.are_deterministic_algorithms_enabled()
-    parts = 1 if add_blocks else n_v_blocks
-    new_part = torch.zeros if add_blocks else torch.empty
-    dq_part, dk_part, dw_part = (
-        new_part(parts, batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(3)
-    )
-    db_part = new_part(parts, batch, seq, v_heads, dtype=torch.float32, device=device)
+    dh = torch.empty_like(h)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else ddelta
-    _chunk_scan_bwd_kernel[(n_v_blocks, batch, v_heads)](
+    _chunk_scan_bwd_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
         q,
         k,
         w,
         aqk,
         b,
         docs,
-        h,
-        delta,
         do,
         ddelta if dfinal is None else dfinal.contiguous(),
         ddelta,
-        dq_part,
-        dk_part,
-        dw_part,
-        db_part,
+        dh,
         dh0,
         seq,
-        batch,
         k_heads,
         v_heads,
         k_dim,
@@ -1284,11 +1337,44 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         BLOCK_V=block_v,
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
-        ADD_BLOCKS=add_blocks,
         num_warps=_WARPS,
         num_stages=_SCAN_STAGES,
     )
-    dq, dk, dw, db = (part[0] if parts == 1 else part.sum(0) for part in (dq_part, dk_part, dw_part, db_part))
+    dq, dk, dw = (
+        torch.empty(batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(3)
+    )
+    db = torch.empty(batch, seq, v_heads, dtype=torch.float32, device=device)
+    _chunk_bwd_state_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
+        q,
+        k,
+        b,
+        docs,
+        h,
+        dh,
+        delta,
+        ddelta,
+        do,
+        dq,
+        dk,
+        dw,
+        db,
+        seq,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        docs.stride(0),
+        docs.stride(1),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        GROUP=group,
+        CHUNK=CHUNK,
+        BLOCK_K=block_k,
+        BLOCK_V=min(_STATE_BLOCK_V, _block(v_dim)),
+        num_warps=_WARPS,
+    )
+    del dh  # the intra-chunk pass reads no state: free them before its outputs
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=device)
     _chunk_bwd_intra_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](

@@ -121,17 +121,18 @@ def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTIO
 
 
 def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
-    """The fp32 tables the delta rule's backward builds for one Gated DeltaNet layer (kernels/delta_rule.py,
-    _chunk_forward with store_states and _chunk_backward), per value head and token: the chunk solve
-    and q·k tables (2 × CHUNK), w, u, the corrections and their gradient (Dk + 3 Dv), the state entering
-    each chunk (Dk·Dv / CHUNK), dq, dk, dw and db, which the value blocks add into one sum; and the
-    normalised q and k per key head. (Under deterministic algorithms each block keeps its own share
-    of the four, which this does not count.)"""
+    """What the delta rule's backward holds at its peak for one Gated DeltaNet layer
+    (kernels/delta_rule.py: _chunk_forward with store_states, then _chunk_backward's state pass),
+    per value head and token: in the tables' dtype the chunk solve and q·k tables (2 × CHUNK), w
+    (Dk), the corrections and their gradient (2 Dv), and the states entering and the gradients
+    leaving each chunk (2 Dk·Dv / CHUNK); in fp32 u (Dv), the state's dq, dk and dw (3 Dk), db and
+    the cumulative log-decay; and the normalised q and k per key head."""
     linear = spec.linear_attention
     k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
-    per_value_head = 2 * CHUNK + k_dim + 3 * v_dim + k_dim * v_dim / CHUNK + 3 * k_dim + 1
-    per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim
-    return int(tokens * per_token * FP32)
+    tables = 2 * CHUNK + k_dim + 2 * v_dim + 2 * k_dim * v_dim / CHUNK
+    per_value_head = tables * BF16 + (v_dim + 3 * k_dim + 2) * FP32
+    per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim * BF16
+    return int(tokens * per_token)
 
 
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
@@ -142,7 +143,7 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
     for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
     shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks. A
-    Gated DeltaNet layer's backward adds the delta rule's fp32 tables (not yet measured on a GPU).
+    Gated DeltaNet layer's backward adds what the delta rule's backward holds (delta_rule_backward_bytes).
     """
     per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
     mlp = 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size
