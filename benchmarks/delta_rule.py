@@ -1,6 +1,6 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--before FILE] [--json FILE]
+Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--segments 1,2,4,8] [--before FILE] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -8,7 +8,8 @@ chunk_gated_delta_rule (the fla package where it imports, its backward refusing 
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
 `--value-blocks` also times ours with the scans' value columns per program set to each size (our
-default is kernels.delta_rule._block_v); `--before FILE` also times another copy of
+default is kernels.delta_rule._block_v), `--segments` with each row's scans cut into that many
+segments (our default is kernels.delta_rule._segments); `--before FILE` also times another copy of
 kernels/delta_rule.py (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
 after come from one call.
 """
@@ -65,6 +66,23 @@ def value_block(columns: int | None):
         yield
     finally:
         delta_rule_module._block_v = default
+
+
+@contextlib.contextmanager
+def row_segments(count: int | None):
+    """Our scans with each row cut into `count` segments (None: our default) while timing."""
+    default = delta_rule_module._segments
+    if count is not None:
+
+        def forced(batch, v_heads, v_dim, n_chunks):
+            chunks = -(-n_chunks // count)
+            return -(-n_chunks // chunks), chunks
+
+        delta_rule_module._segments = forced
+    try:
+        yield
+    finally:
+        delta_rule_module._segments = default
 
 
 def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
@@ -156,12 +174,16 @@ def main() -> None:
         default="",
         help="also time ours at these value columns per scan program, e.g. 16,64",
     )
+    parser.add_argument(
+        "--segments", default="", help="also time ours with rows cut into these many segments"
+    )
     parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
     value_blocks = [int(columns) for columns in args.value_blocks.split(",") if columns]
+    segment_counts = [int(count) for count in args.segments.split(",") if count]
     fla, fla_source = fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []
@@ -170,29 +192,33 @@ def main() -> None:
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
         cu_seqlens = torch.arange(0, batch * seq + 1, PACKED_LENGTH, device="cuda")
         implementations = {
-            "ours": (ours(None), None),
-            f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None),
-            **{f"ours, {columns} value columns a program": (ours(None), columns) for columns in value_blocks},
+            "ours": (ours(None), None, None),
+            f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None, None),
+            **{
+                f"ours, {columns} value columns a program": (ours(None), columns, None)
+                for columns in value_blocks
+            },
+            **{f"ours, {count} segments a row": (ours(None), None, count) for count in segment_counts},
             **(
                 {
-                    "before": (ours(None, before), None),
-                    f"before, packed {PACKED_LENGTH}": (ours(doc_ids, before), None),
+                    "before": (ours(None, before), None, None),
+                    f"before, packed {PACKED_LENGTH}": (ours(doc_ids, before), None, None),
                 }
                 if before
                 else {}
             ),
             **(
                 {
-                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), None),
-                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), None),
+                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), None, None),
+                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), None, None),
                 }
                 if fla
-                else {"fla chunk_gated_delta_rule": (None, None)}
+                else {"fla chunk_gated_delta_rule": (None, None, None)}
             ),
-            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), None),
+            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), None, None),
         }
         rows = {}
-        for name, (fn, columns) in implementations.items():
+        for name, (fn, columns, count) in implementations.items():
             if fn is None:
                 rows[name] = {
                     "fwd": None,
@@ -200,7 +226,7 @@ def main() -> None:
                     "error": fla_source if "fla" in name else "not importable",
                 }
                 continue
-            with value_block(columns):
+            with value_block(columns), row_segments(count):
                 rows[name] = time_one(fn, leaves)
         base = rows["ours"]
         print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")

@@ -4,6 +4,7 @@ token-by-token reference, and the reference against transformers."""
 import pytest
 import torch
 
+from qlora_kernels import delta_rule
 from qlora_kernels.delta_rule import (
     CHUNK,
     GatedDeltaRuleFunction,
@@ -102,8 +103,28 @@ def test_state_gradients_add_up_over_value_blocks():
     _check_against_reference(2, SEQ, 1, True, True, True, v_dim=72)
 
 
-def _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk, v_dim=V_DIM):
+@pytest.mark.parametrize(
+    ("scan_programs", "segments", "packed", "with_state"),
+    [(10**6, (3, 1), True, True), (16, (2, 2), False, False)],
+    ids=["three-one-chunk-segments-packed-with-state", "two-uneven-segments"],
+)
+def test_segmented_rows_match_reference(monkeypatch, scan_programs, segments, packed, with_state):
+    """A long row's scans cut into segments: their maps found from [0 | I], chained from the row's
+    start (and, backward, from its end), each segment rerun from its true start. Three segments of
+    one chunk put every chunk boundary, and PACKED's documents ending and starting on them, on a
+    segment boundary; two segments of two chunks and one check an uneven cut without states. The
+    decay is weak (a chunk's sum of g near -0.3, where _inputs' is near -20), so that what crosses a
+    segment boundary is as large as what a chunk adds."""
+    monkeypatch.setattr(delta_rule, "_SCAN_PROGRAMS", scan_programs)
+    monkeypatch.setattr(delta_rule, "_MIN_SEGMENT_CHUNKS", 1)
+    assert delta_rule._segments(2, 2, V_DIM, 3) == segments
+    _check_against_reference(2, SEQ, 1, packed, with_state, True, g_scale=0.015)
+
+
+def _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk, v_dim=V_DIM, g_scale=1.0):
     leaves = _inputs(batch=batch, seq=seq, k_heads=k_heads, v_heads=2 * k_heads, v_dim=v_dim)
+    with torch.no_grad():
+        leaves[3].mul_(g_scale)
     if not normalize_qk:
         # Unnormalised keys must keep the recurrence contractive (beta |k|^2 < 2) to be a fair test.
         with torch.no_grad():
