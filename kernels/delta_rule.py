@@ -702,44 +702,51 @@ if TRITON_AVAILABLE:
         n_segments,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        BLOCK_INNER: tl.constexpr,
         HAS_FIRST: tl.constexpr,
         REVERSE: tl.constexpr,
     ):
         """Chains the segments' maps into the state each segment of a row starts from: S_0 = h0
         and S_{j+1} = M_j S_j + L_j, or in REVERSE the same from the row's end (dS of the final
         state) back to its first segment. A transition [L | M] is fp32 [Dk, Dv + Dk]; the products
-        are exact fp32 ("ieee"), on [Dk, BLOCK_V] slices of the states."""
+        are exact fp32 ("ieee"), on [Dk, BLOCK_V] slices of the states, M_j S_j in BLOCK_INNER
+        slices of Dk read back from the start just stored (a whole [Dk, Dk] M would spill)."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
+        inner = tl.arange(0, BLOCK_INNER)
         v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
         state_size = k_dim * v_dim
         columns = v_dim + k_dim
         offsets = dims[:, None] * v_dim + v_cols[None, :]
         mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
-        square = (dims < k_dim)[:, None] & (dims < k_dim)[None, :]
         if HAS_FIRST:
             s = tl.load(first_ptr + (batch * v_heads + head) * state_size + offsets, mask=mask, other=0.0)
         else:
             s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         for i in range(n_segments - 1):
-            if REVERSE:
-                segment = n_segments - 1 - i
-                transition = n_segments - 2 - i
-            else:
-                segment = i
-                transition = i
-            tl.store(
-                starts_ptr + ((batch * n_segments + segment) * v_heads + head) * state_size + offsets,
-                s,
-                mask=mask,
-            )
+            segment = n_segments - 1 - i if REVERSE else i
+            transition = n_segments - 2 - i if REVERSE else i
+            start_ptr = starts_ptr + ((batch * n_segments + segment) * v_heads + head) * state_size
+            tl.store(start_ptr + offsets, s, mask=mask)
+            tl.debug_barrier()
             at = transition_ptr + ((batch * (n_segments - 1) + transition) * v_heads + head) * (
                 k_dim * columns
             )
-            local = tl.load(at + dims[:, None] * columns + v_cols[None, :], mask=mask, other=0.0)
-            linear = tl.load(at + dims[:, None] * columns + v_dim + dims[None, :], mask=square, other=0.0)
-            s = local + tl.dot(linear, s, input_precision="ieee")
+            s = tl.load(at + dims[:, None] * columns + v_cols[None, :], mask=mask, other=0.0)
+            for inner_start in tl.static_range(0, BLOCK_K, BLOCK_INNER):
+                rows = inner_start + inner
+                linear = tl.load(
+                    at + dims[:, None] * columns + v_dim + rows[None, :],
+                    mask=(dims < k_dim)[:, None] & (rows < k_dim)[None, :],
+                    other=0.0,
+                )
+                part = tl.load(
+                    start_ptr + rows[:, None] * v_dim + v_cols[None, :],
+                    mask=(rows < k_dim)[:, None] & (v_cols < v_dim)[None, :],
+                    other=0.0,
+                )
+                s += tl.dot(linear, part, input_precision="ieee")
         last = 0 if REVERSE else n_segments - 1
         tl.store(
             starts_ptr + ((batch * n_segments + last) * v_heads + head) * state_size + offsets, s, mask=mask
@@ -1164,9 +1171,10 @@ _MAX_HEAD_DIM = 256
 # The per-chunk kernels hold several [64, Dk] fp32 tiles at once; 8 warps keep them in registers at 128.
 _WARPS = 8
 # The scans' loops: two stages prefetch the next chunk's tables while this one computes; three (the
-# default) double the buffers past Hopper's 227 KiB of shared memory per block. Four warps spill
-# the backward's registers; benchmarks.kernel_resources shows what each setting costs.
+# default) double the buffers past Hopper's 227 KiB of shared memory per block.
+# benchmarks.kernel_resources shows what each setting costs, benchmarks.delta_rule what it gains.
 _SCAN_STAGES = 2
+_SCAN_WARPS = 8
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
@@ -1249,8 +1257,10 @@ def _segment_starts(scan_transitions, first, shape, n_segments: int, reverse: bo
         n_segments,
         BLOCK_K=_block(k_dim),
         BLOCK_V=block_v,
+        BLOCK_INNER=16,
         HAS_FIRST=first is not None,
         REVERSE=reverse,
+        num_warps=_WARPS,
     )
     return starts
 
@@ -1436,7 +1446,7 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
             STORE_STATES=store_states and not transition,
             STORE_OUTPUT=not (store_states or transition),
             TRANSITION=transition,
-            num_warps=_WARPS,
+            num_warps=_SCAN_WARPS,
             num_stages=_SCAN_STAGES,
         )
 
@@ -1556,7 +1566,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
             HAS_FINAL_GRAD=start is not None,
             STORE_INITIAL_GRAD=initial_state is not None and not transition,
             TRANSITION=transition,
-            num_warps=_WARPS,
+            num_warps=_SCAN_WARPS,
             num_stages=_SCAN_STAGES,
         )
 
