@@ -1,6 +1,7 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--value-blocks 16,32,64] [--segments 1,2,4,8] [--before FILE] [--json FILE]
+Usage: python -m benchmarks.delta_rule [--value-blocks 16,64] [--segments 1,4] [--scan-warps 4] [--before FILE]
+    [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -9,7 +10,8 @@ torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a 
 (ours and fla) packed with documents of 512 tokens.
 `--value-blocks` also times ours with the scans' value columns per program set to each size (our
 default is kernels.delta_rule._block_v), `--segments` with each row's scans cut into that many
-segments (our default is kernels.delta_rule._segments); `--before FILE` also times another copy of
+segments (our default is kernels.delta_rule._segments), `--scan-warps` with the scans at that many
+warps; `--before FILE` also times another copy of
 kernels/delta_rule.py (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
 after come from one call.
 """
@@ -57,32 +59,31 @@ def load_before(path: str) -> ModuleType:
 
 
 @contextlib.contextmanager
-def value_block(columns: int | None):
-    """Our scans with `columns` value columns per program (None: our default) while timing."""
-    default = delta_rule_module._block_v
-    if columns is not None:
-        delta_rule_module._block_v = lambda v_dim: min(columns, delta_rule_module._block(v_dim))
+def patched(overrides: dict):
+    """Our module with some settings replaced while timing (an empty dict: as shipped)."""
+    defaults = {name: getattr(delta_rule_module, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(delta_rule_module, name, value)
     try:
         yield
     finally:
-        delta_rule_module._block_v = default
+        for name, value in defaults.items():
+            setattr(delta_rule_module, name, value)
 
 
-@contextlib.contextmanager
-def row_segments(count: int | None):
-    """Our scans with each row cut into `count` segments (None: our default) while timing."""
-    default = delta_rule_module._segments
-    if count is not None:
+def value_columns(columns: int) -> dict:
+    """The scans with `columns` value columns per program."""
+    return {"_block_v": lambda v_dim: min(columns, delta_rule_module._block(v_dim))}
 
-        def forced(batch, v_heads, v_dim, n_chunks):
-            chunks = -(-n_chunks // count)
-            return -(-n_chunks // chunks), chunks
 
-        delta_rule_module._segments = forced
-    try:
-        yield
-    finally:
-        delta_rule_module._segments = default
+def row_segments(count: int) -> dict:
+    """The scans with each row cut into `count` segments."""
+
+    def forced(batch, v_heads, v_dim, n_chunks):
+        chunks = -(-n_chunks // count)
+        return -(-n_chunks // chunks), chunks
+
+    return {"_segments": forced}
 
 
 def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
@@ -177,13 +178,29 @@ def main() -> None:
     parser.add_argument(
         "--segments", default="", help="also time ours with rows cut into these many segments"
     )
+    parser.add_argument("--scan-warps", default="", help="also time ours with the scans at these many warps")
     parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
-    value_blocks = [int(columns) for columns in args.value_blocks.split(",") if columns]
-    segment_counts = [int(count) for count in args.segments.split(",") if count]
+    variants = {
+        **{
+            f"ours, {columns} value columns a program": value_columns(int(columns))
+            for columns in args.value_blocks.split(",")
+            if columns
+        },
+        **{
+            f"ours, {count} segments a row": row_segments(int(count))
+            for count in args.segments.split(",")
+            if count
+        },
+        **{
+            f"ours, scans at {warps} warps": {"_SCAN_WARPS": int(warps)}
+            for warps in args.scan_warps.split(",")
+            if warps
+        },
+    }
     fla, fla_source = fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []
@@ -192,33 +209,29 @@ def main() -> None:
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
         cu_seqlens = torch.arange(0, batch * seq + 1, PACKED_LENGTH, device="cuda")
         implementations = {
-            "ours": (ours(None), None, None),
-            f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), None, None),
-            **{
-                f"ours, {columns} value columns a program": (ours(None), columns, None)
-                for columns in value_blocks
-            },
-            **{f"ours, {count} segments a row": (ours(None), None, count) for count in segment_counts},
+            "ours": (ours(None), {}),
+            f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), {}),
+            **{name: (ours(None), overrides) for name, overrides in variants.items()},
             **(
                 {
-                    "before": (ours(None, before), None, None),
-                    f"before, packed {PACKED_LENGTH}": (ours(doc_ids, before), None, None),
+                    "before": (ours(None, before), {}),
+                    f"before, packed {PACKED_LENGTH}": (ours(doc_ids, before), {}),
                 }
                 if before
                 else {}
             ),
             **(
                 {
-                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), None, None),
-                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), None, None),
+                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), {}),
+                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), {}),
                 }
                 if fla
-                else {"fla chunk_gated_delta_rule": (None, None, None)}
+                else {"fla chunk_gated_delta_rule": (None, {})}
             ),
-            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), None, None),
+            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), {}),
         }
         rows = {}
-        for name, (fn, columns, count) in implementations.items():
+        for name, (fn, overrides) in implementations.items():
             if fn is None:
                 rows[name] = {
                     "fwd": None,
@@ -226,7 +239,7 @@ def main() -> None:
                     "error": fla_source if "fla" in name else "not importable",
                 }
                 continue
-            with value_block(columns), row_segments(count):
+            with patched(overrides):
                 rows[name] = time_one(fn, leaves)
         base = rows["ours"]
         print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
