@@ -1,17 +1,17 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--value-blocks 16,64] [--segments 1,4] [--scan-warps 4] [--before FILE]
-    [--json FILE]
+Usage: python -m benchmarks.delta_rule [--value-blocks 16,64] [--segments 1,4] [--scan-warps 4]
+    [--kernels] [--before FILE] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
 3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
-`--value-blocks` also times ours with the scans' value columns per program set to each size (our
-default is kernels.delta_rule._block_v), `--segments` with each row's scans cut into that many
-segments (our default is kernels.delta_rule._segments), `--scan-warps` with the scans at that many
-warps; `--before FILE` also times another copy of
+Variants of ours: `--value-blocks` sets the scans' value columns per program (our default is
+kernels.delta_rule._block_v), `--segments` cuts each row's scans into that many segments (default
+kernels.delta_rule._segments), `--scan-warps` runs the scans at that many warps. `--kernels` prints
+ours' forward+backward by GPU kernel. `--before FILE` also times another copy of
 kernels/delta_rule.py (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
 after come from one call.
 """
@@ -137,6 +137,28 @@ def transformers_chunk() -> Callable | None:
     return call
 
 
+def kernel_times(fn: Callable, leaves: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
+    """Each GPU kernel's mean milliseconds in one forward+backward, from torch's profiler."""
+    do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(do)
+
+    forward_backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(repeats):
+            forward_backward()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.key_averages():
+        if event.device_time_total > 0:
+            times[event.key] = event.device_time_total / repeats / 1000
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
 def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
     """Forward under no_grad, then forward+backward; an implementation that raises gets the error."""
     do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
@@ -179,6 +201,7 @@ def main() -> None:
         "--segments", default="", help="also time ours with rows cut into these many segments"
     )
     parser.add_argument("--scan-warps", default="", help="also time ours with the scans at these many warps")
+    parser.add_argument("--kernels", action="store_true", help="also print ours' time by GPU kernel")
     parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
@@ -263,6 +286,12 @@ def main() -> None:
             for key, value in row.items():
                 if "error" in key:
                     print(f"    {key}: {value}")
+        if args.kernels:
+            times = kernel_times(ours(None), leaves)
+            print(f"  ours, forward+backward by kernel (ms): total {sum(times.values()):.3f}")
+            for name, ms in times.items():
+                print(f"    {ms:8.3f}  {name[:90]}")
+            rows["ours"]["kernels ms"] = times
         results.append({"batch": batch, "seq": seq, "implementations": rows})
     write_json(args.json, "benchmarks.delta_rule", {"before": args.before, "shapes": results})
 
