@@ -2,7 +2,7 @@
 
 Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,qlora-fp8,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
-       [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--json FILE]
+       [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--packed 512] [--json FILE]
 
 Each runner trains LoRA r=16 on every decoder linear of the same checkpoint (benchmarks/random_checkpoint.py
 writes one of any shape in benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama 3.1, Mistral Small), on the same
@@ -16,6 +16,9 @@ Prints tokens/s, peak GPU memory allocated (warm-up included, where a graph is c
 reserved, MFU and the ratios against HF+PEFT+bnb and Unsloth. `--memory-cap-gb` caps every runner's
 GPU memory (torch.cuda.set_per_process_memory_fraction), to show what trains inside a smaller GPU.
 `--lora-dropout` gives qlora's runners LoRA dropout (a new mask seed each step), to time what it costs.
+`--packed N` packs qlora's rows with documents of N tokens (document masks in attention and state
+resets in the delta rule, as `sample_packing` trains); the other runners take no document ids and
+run the same rows as one document each.
 Each step is timed on its own (CUDA events, qlora_cli/profiler/timing.py); tokens/s comes from the
 median step, and --json keeps the fastest step too.
 """
@@ -71,6 +74,15 @@ def _batch(vocab: int, args):
     return ids.to(args.device), ids.roll(-1, dims=1).to(args.device)
 
 
+def _packing(args) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Positions and document ids of rows packed with documents of args.packed tokens (None, None
+    unpacked): what `qlora train` hands the model for sample_packing."""
+    if not args.packed:
+        return None, None
+    tokens = torch.arange(args.seq, device=args.device).expand(args.batch, args.seq)
+    return tokens % args.packed, tokens // args.packed
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -110,6 +122,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     load_s = time.perf_counter() - start
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5, fused=args.device == "cuda")
     ids, labels = _batch(spec.vocab_size, args)
+    position_ids, doc_ids = _packing(args)
     count = labels.numel()
     graphed = GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size) if graphs else None
 
@@ -117,7 +130,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
 
     def step():
         model.set_dropout_seed(next(steps))
-        loss_sum = micro_batch_backward(model.loss, (ids, labels), 1 / count, graphed)
+        loss_sum = micro_batch_backward(model.loss, (ids, labels, position_ids, doc_ids), 1 / count, graphed)
         optimizer.step()
         clear_gradients(optimizer, graphed)
         return loss_sum / count
@@ -252,6 +265,12 @@ def main() -> None:
     parser.add_argument("--memory-cap-gb", type=float, default=None, help="cap each runner's GPU memory")
     parser.add_argument("--device", default="cuda", help="cpu only to check the runners work")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="qlora runners' LoRA dropout")
+    parser.add_argument(
+        "--packed",
+        type=int,
+        default=0,
+        help="qlora runners' rows packed with documents of this many tokens (the others' stay one document)",
+    )
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args()

@@ -129,11 +129,29 @@ def test_compare_trains_every_linear_of_a_hybrid_model(tmp_path):
     delta_rule = 3 * 6 * 4 * 16 * 16  # 3 x (three rank-1 products of 16 x 16) x 4 value heads
     expected = 4 * (dense + spec.vocab_size * spec.hidden_size) + attention + delta_rule
     assert model_flops_per_token(json.loads((checkpoint / "config.json").read_text()), 64) == expected
-    command = [sys.executable, "-m", "benchmarks.compare", str(checkpoint), "--device", "cpu"]
-    command += ["--runners", "qlora-eager", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "0"]
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "qlora, no graphs" in proc.stdout and "failed" not in proc.stdout
+    losses = []
+    for packed in ("0", "8"):
+        out = tmp_path / f"packed-{packed}.json"
+        command = [sys.executable, "-m", "benchmarks.compare", str(checkpoint), "--device", "cpu"]
+        command += [
+            "--runners",
+            "qlora-eager",
+            "--batch",
+            "1",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ]
+        command += ["--packed", packed, "--json", str(out)]
+        proc = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "qlora, no graphs" in proc.stdout and "failed" not in proc.stdout
+        losses.append(json.loads(out.read_text())["results"]["qlora-eager"]["loss"])
+    # Packed into documents of 8 tokens, the same rows see shorter contexts: another loss.
+    assert abs(losses[0] - losses[1]) > 1e-4
 
 
 def test_qwen3_5_27b_shape_has_the_published_tensors():
