@@ -1,19 +1,18 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--value-blocks 16,64] [--segments 1,4] [--scan-warps 4]
-    [--kernels] [--before FILE] [--json FILE]
+Usage: python -m benchmarks.delta_rule [--variant columns=64,segments=2,warps=4,stages=1 ...] [--kernels]
+    [--before FILE] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
 3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
-Variants of ours: `--value-blocks` sets the scans' value columns per program (our default is
-kernels.delta_rule._block_v), `--segments` cuts each row's scans into that many segments (default
-kernels.delta_rule._segments), `--scan-warps` runs the scans at that many warps. `--kernels` prints
-ours' forward+backward by GPU kernel. `--before FILE` also times another copy of
-kernels/delta_rule.py (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
-after come from one call.
+Each `--variant` also times ours with some of the scans' settings replaced: value columns per
+program (`columns`, default kernels.delta_rule._block_v), segments a row (`segments`, default
+kernels.delta_rule._segments), `warps` and software-pipelining `stages`. `--kernels` prints ours'
+forward+backward by GPU kernel. `--before FILE` also times another copy of kernels/delta_rule.py
+(`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and after come from one call.
 """
 
 from __future__ import annotations
@@ -86,6 +85,27 @@ def row_segments(count: int) -> dict:
     return {"_segments": forced}
 
 
+VARIANT_KEYS = {
+    "columns": value_columns,
+    "segments": row_segments,
+    "warps": lambda warps: {"_SCAN_WARPS": warps},
+    "stages": lambda stages: {"_SCAN_STAGES": stages},
+}
+
+
+def variant(text: str) -> dict:
+    """`columns=64,segments=2,warps=4,stages=1` as the module settings it replaces."""
+    overrides = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in VARIANT_KEYS or not value.isdigit():
+            raise SystemExit(
+                f"--variant {text!r}: each item is KEY=N with KEY one of {', '.join(VARIANT_KEYS)}"
+            )
+        overrides |= VARIANT_KEYS[key](int(value))
+    return overrides
+
+
 def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
     """flash-linear-attention's chunked kernels and where they came from: the fla package where it
     imports, else the copy Unsloth vendors in unsloth_zoo, registered as `fla` the way Unsloth does
@@ -99,6 +119,7 @@ def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
     if importlib.util.find_spec("unsloth_zoo") is None:
         return None, f"{package_error}; unsloth_zoo is not installed"
     try:
+        import unsloth  # noqa: F401 - unsloth_zoo imports only under Unsloth, which announces itself on import
         from unsloth_zoo.temporary_patches.fla_vendor import _inject_vendored_fla
 
         injected, _ = _inject_vendored_fla()
@@ -193,37 +214,18 @@ def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--value-blocks",
-        default="",
-        help="also time ours at these value columns per scan program, e.g. 16,64",
+        "--variant",
+        action="append",
+        default=[],
+        help="also time ours with these scan settings, e.g. columns=64,segments=2,warps=4,stages=1 (repeatable)",
     )
-    parser.add_argument(
-        "--segments", default="", help="also time ours with rows cut into these many segments"
-    )
-    parser.add_argument("--scan-warps", default="", help="also time ours with the scans at these many warps")
     parser.add_argument("--kernels", action="store_true", help="also print ours' time by GPU kernel")
     parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
-    variants = {
-        **{
-            f"ours, {columns} value columns a program": value_columns(int(columns))
-            for columns in args.value_blocks.split(",")
-            if columns
-        },
-        **{
-            f"ours, {count} segments a row": row_segments(int(count))
-            for count in args.segments.split(",")
-            if count
-        },
-        **{
-            f"ours, scans at {warps} warps": {"_SCAN_WARPS": int(warps)}
-            for warps in args.scan_warps.split(",")
-            if warps
-        },
-    }
+    variants = {f"ours, {text}": variant(text) for text in args.variant}
     fla, fla_source = fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []

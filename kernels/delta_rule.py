@@ -1174,7 +1174,7 @@ _WARPS = 8
 # default) double the buffers past Hopper's 227 KiB of shared memory per block.
 # benchmarks.kernel_resources shows what each setting costs, benchmarks.delta_rule what it gains.
 _SCAN_STAGES = 2
-_SCAN_WARPS = 8
+_SCAN_WARPS = 4
 
 
 def _check(q, k, v, g, beta, initial_state) -> None:
