@@ -10,7 +10,8 @@ torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a 
 (ours and fla) packed with documents of 512 tokens.
 Each `--variant` also times ours with some of the scans' settings replaced: value columns per
 program (`columns`, default kernels.delta_rule._block_v), segments a row (`segments`, default
-kernels.delta_rule._segments), `warps` and software-pipelining `stages`. `--kernels` prints ours'
+kernels.delta_rule._segments), `warps` and software-pipelining `stages`, and the per-chunk
+backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`). `--kernels` prints ours'
 forward+backward by GPU kernel. `--before FILE` also times another copy of kernels/delta_rule.py
 (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and after come from one call.
 """
@@ -90,6 +91,8 @@ VARIANT_KEYS = {
     "segments": row_segments,
     "warps": lambda warps: {"_SCAN_WARPS": warps},
     "stages": lambda stages: {"_SCAN_STAGES": stages},
+    "chunk_block": lambda columns: {"_CHUNK_BLOCK": columns},
+    "chunk_stages": lambda stages: {"_CHUNK_STAGES": stages},
 }
 
 

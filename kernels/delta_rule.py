@@ -962,6 +962,17 @@ if TRITON_AVAILABLE:
         tl.store(db_ptr + token_head, db, mask=valid)
 
     @triton.jit
+    def _pair_decay(b, doc, local, valid, TRANSPOSED: tl.constexpr):
+        """exp(b_i - b_j) for the pairs j <= i of one document, 0 elsewhere: the decay between two
+        tokens of a chunk, as [i, j] or TRANSPOSED as [j, i]."""
+        if TRANSPOSED:
+            same = (doc[:, None] == doc[None, :]) & (local[:, None] <= local[None, :]) & valid[None, :]
+            return tl.where(same, tl.exp(tl.where(same, b[None, :] - b[:, None], 0.0)), 0.0)
+        else:
+            same = (doc[:, None] == doc[None, :]) & (local[:, None] >= local[None, :]) & valid[:, None]
+            return tl.where(same, tl.exp(tl.where(same, b[:, None] - b[None, :], 0.0)), 0.0)
+
+    @triton.jit
     def _chunk_bwd_intra_kernel(
         q_ptr,
         k_ptr,
@@ -1013,16 +1024,10 @@ if TRITON_AVAILABLE:
         local = tl.arange(0, CHUNK)
         rows = start + local
         valid = rows < seq
-        dims = tl.arange(0, BLOCK_K)
-        v_cols = tl.arange(0, BLOCK_V)
-        k_mask = valid[:, None] & (dims < k_dim)[None, :]
-        v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
-        qk_offsets = (
-            (batch * seq + rows[:, None]) * (k_heads * k_dim) + (head // GROUP) * k_dim + dims[None, :]
-        )
+        # Row starts of the [CHUNK, Dk] tiles: q and k per k-head, and the per-v-head W, dW, dq, dk.
+        qk_base = (batch * seq + rows[:, None]) * (k_heads * k_dim) + (head // GROUP) * k_dim
         token_head = (batch * seq + rows) * v_heads + head
-        k_offsets = token_head[:, None] * k_dim + dims[None, :]
-        v_offsets = token_head[:, None] * v_dim + v_cols[None, :]
+        k_base = token_head[:, None] * k_dim
         doc, carry, _, _, _ = _chunk_docs(
             docs_ptr + batch * docs_stride_b, rows, start, seq, docs_stride_t, CHUNK
         )
@@ -1034,71 +1039,88 @@ if TRITON_AVAILABLE:
         b = tl.load(b_ptr + token_head, mask=valid, other=0.0)
         read_scale = tl.where(carry, tl.exp(b), 0.0)
         dot = t_ptr.dtype.element_ty
-        same = (doc[:, None] == doc[None, :]) & (local[:, None] >= local[None, :]) & valid[:, None]
-        same_t = (doc[:, None] == doc[None, :]) & (local[:, None] <= local[None, :]) & valid[None, :]
-        decay = tl.where(same, tl.exp(tl.where(same, b[:, None] - b[None, :], 0.0)), 0.0)
-        decay_t = tl.where(same_t, tl.exp(tl.where(same_t, b[None, :] - b[:, None], 0.0)), 0.0)
-        # Operand copies only (tiles die early, keeping the registers in bounds); dq leaves first.
-        q = tl.load(q_ptr + qk_offsets, mask=k_mask, other=0.0).to(dot)
-        k = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0).to(dot)
-        # o += Aqk delta, Aqk = (Q K^T) * decay
-        do = tl.load(
-            do_ptr + batch * do_stride_b + rows[:, None] * do_stride_t + head * do_stride_h + v_cols[None, :],
-            mask=v_mask,
-            other=0.0,
-        ).to(tl.float32)
-        delta = tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)
-        dqk = _mma(do, tl.trans(delta), dot) * decay
-        log_terms = dqk * _mma(q, tl.trans(k), dot)
-        db = tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
-        dq = _mma(dqk, k, dot) + tl.load(dq_ptr + k_offsets, mask=k_mask, other=0.0)
-        tl.store(dq_ptr + k_offsets, dq, mask=k_mask)
-        dk = _mma(_mma(delta, tl.trans(do), dot) * decay_t, q, dot)
-        # U = T (beta V)
         t = tl.load(
             t_ptr + token_head[:, None] * CHUNK + local[None, :],
             mask=valid[:, None] & (local[None, :] <= local[:, None]),
             other=0.0,
         )
-        du = tl.load(ddelta_ptr + v_offsets, mask=v_mask, other=0.0)
-        d_beta_v = _mma(tl.trans(t), du, dot)
-        v = tl.load(
-            v_ptr + batch * v_stride_b + rows[:, None] * v_stride_t + head * v_stride_h + v_cols[None, :],
-            mask=v_mask,
-            other=0.0,
-        ).to(tl.float32)
-        tl.store(dv_ptr + v_offsets, (d_beta_v * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=v_mask)
-        dbeta = tl.sum(d_beta_v * v, axis=1)
-        u = tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0)
-        dm = _mma(du, tl.trans(u), dot)
-        dm_t = _mma(u, tl.trans(du), dot)
-        # W = T (beta carry exp(b) K)
-        dw = tl.load(dw_ptr + k_offsets, mask=k_mask, other=0.0)
-        d_scaled_k = _mma(tl.trans(t), dw, dot)
-        dk += d_scaled_k * (beta * read_scale)[:, None]
-        k_exact = tl.load(k_ptr + qk_offsets, mask=k_mask, other=0.0)
-        scale_terms = tl.sum(d_scaled_k * k_exact, axis=1) * read_scale
+        # The value side, over Dv in BLOCK_V columns: o += Aqk delta (Aqk = (Q K^T) * decay) and
+        # U = T (beta V) give [CHUNK, CHUNK] sums over Dv (dO delta^T and dU U^T, each also
+        # transposed), dv and dbeta's V term.
+        dqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        dqk_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        dm = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        dm_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        dbeta = tl.zeros([CHUNK], dtype=tl.float32)
+        for v_start in range(0, v_dim, BLOCK_V):
+            v_cols = v_start + tl.arange(0, BLOCK_V)
+            v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
+            v_offsets = token_head[:, None] * v_dim + v_cols[None, :]
+            do_at = batch * do_stride_b + rows[:, None] * do_stride_t + head * do_stride_h + v_cols[None, :]
+            do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
+            delta = tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)
+            dqk += _mma(do, tl.trans(delta), dot)
+            dqk_t += _mma(delta, tl.trans(do), dot)
+            du = tl.load(ddelta_ptr + v_offsets, mask=v_mask, other=0.0)
+            u = tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0)
+            dm += _mma(du, tl.trans(u), dot)
+            dm_t += _mma(u, tl.trans(du), dot)
+            d_beta_v = _mma(tl.trans(t), du, dot)
+            v_at = batch * v_stride_b + rows[:, None] * v_stride_t + head * v_stride_h + v_cols[None, :]
+            v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
+            tl.store(dv_ptr + v_offsets, (d_beta_v * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=v_mask)
+            dbeta += tl.sum(d_beta_v * v, axis=1)
+        # The decays (and their transposes) are rebuilt where used, so that they hold no registers
+        # across the loops.
+        dqk *= _pair_decay(b, doc, local, valid, False)
+        dqk_t *= _pair_decay(b, doc, local, valid, True)
+        # The key side, over Dk in BLOCK_K columns, twice: first the [CHUNK, CHUNK] sums over Dk
+        # (Q K^T, K K^T and W's dW W^T into dM), then, with dA known, dq and dk column by column.
+        # W = T diag(beta carry exp(b)) K, so T^T dW is the gradient of W's scaled keys.
+        qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        scale_terms = tl.zeros([CHUNK], dtype=tl.float32)
+        for k_start in range(0, k_dim, BLOCK_K):
+            dims = k_start + tl.arange(0, BLOCK_K)
+            k_mask = valid[:, None] & (dims < k_dim)[None, :]
+            q = tl.load(q_ptr + qk_base + dims[None, :], mask=k_mask, other=0.0)
+            k = tl.load(k_ptr + qk_base + dims[None, :], mask=k_mask, other=0.0)
+            qk += _mma(q, tl.trans(k), dot)
+            kk += _mma(k, tl.trans(k), dot)
+            dw = tl.load(dw_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
+            w = tl.load(w_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
+            dm += _mma(dw, tl.trans(w), dot)
+            dm_t += _mma(w, tl.trans(dw), dot)
+            scale_terms += tl.sum(_mma(tl.trans(t), dw, dot) * k.to(tl.float32), axis=1)
+        log_terms = dqk * qk
+        db = tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
+        scale_terms *= read_scale
         dbeta += scale_terms
         db += scale_terms * beta
-        w = tl.load(w_ptr + k_offsets, mask=k_mask, other=0.0)
-        dm += _mma(dw, tl.trans(w), dot)
-        dm_t += _mma(w, tl.trans(dw), dot)
-        # T = (I + A)^-1, A = beta_i (K K^T) * decay, strictly lower
-        strict = same & (local[:, None] > local[None, :])
-        strict_t = same_t & (local[:, None] < local[None, :])
-        da = tl.where(strict, -_mma(tl.trans(t), dm, dot), 0.0)
-        da_t = tl.where(strict_t, -_mma(dm_t, t, dot), 0.0)
-        kk = _mma(k, tl.trans(k), dot)
-        dbeta += tl.sum(da * kk * decay, axis=1)
-        dkk = da * beta[:, None] * decay
-        dkk_t = da_t * beta[None, :] * decay_t
-        dk += _mma(dkk, k, dot) + _mma(dkk_t, k, dot)
+        # T = (I + A)^-1, A = beta_i (K K^T) * decay on the strictly lower same-document pairs
+        # (where the decay is not zero: its diagonal is 1, so it is kept off that too).
+        decay = _pair_decay(b, doc, local, valid, False)
+        da = tl.where(local[:, None] > local[None, :], -_mma(tl.trans(t), dm, dot), 0.0) * decay
+        dbeta += tl.sum(da * kk, axis=1)
+        dkk = da * beta[:, None]
+        decay_t = _pair_decay(b, doc, local, valid, True)
+        dkk_t = tl.where(local[:, None] < local[None, :], -_mma(dm_t, t, dot), 0.0) * decay_t * beta[None, :]
         log_terms = dkk * kk
         db += tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
-        dk += tl.load(dk_ptr + k_offsets, mask=k_mask, other=0.0)
         db += tl.load(db_ptr + token_head, mask=valid, other=0.0)
-        tl.store(dk_ptr + k_offsets, dk, mask=k_mask)
         tl.store(db_ptr + token_head, db, mask=valid)
+        for k_start in range(0, k_dim, BLOCK_K):
+            dims = k_start + tl.arange(0, BLOCK_K)
+            k_mask = valid[:, None] & (dims < k_dim)[None, :]
+            q = tl.load(q_ptr + qk_base + dims[None, :], mask=k_mask, other=0.0)
+            k = tl.load(k_ptr + qk_base + dims[None, :], mask=k_mask, other=0.0)
+            dq = _mma(dqk, k, dot) + tl.load(dq_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
+            tl.store(dq_ptr + k_base + dims[None, :], dq, mask=k_mask)
+            dw = tl.load(dw_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
+            dk = _mma(dqk_t, q, dot) + _mma(tl.trans(t), dw, dot) * (beta * read_scale)[:, None]
+            dk += _mma(dkk, k, dot) + _mma(dkk_t, k, dot)
+            dk += tl.load(dk_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
+            tl.store(dk_ptr + k_base + dims[None, :], dk, mask=k_mask)
         dbeta_ptrs = dbeta_ptr + (batch * seq + rows) * v_heads + head
         tl.store(dbeta_ptrs, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
 
@@ -1205,8 +1227,9 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-# _chunk_bwd_state_kernel multiplies [64, Dv] tiles by the [Dk, Dv] states in Dv blocks of this many.
-_STATE_BLOCK_V = 64
+# The per-chunk backward kernels take Dv (and Dk) in blocks of this many columns: fewer live registers.
+_CHUNK_BLOCK = 64
+_CHUNK_STAGES = 3
 
 
 def _block_v(v_dim: int) -> int:
@@ -1612,7 +1635,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         GROUP=group,
         CHUNK=CHUNK,
         BLOCK_K=block_k,
-        BLOCK_V=min(_STATE_BLOCK_V, _block(v_dim)),
+        BLOCK_V=min(_CHUNK_BLOCK, _block(v_dim)),
         num_warps=_WARPS,
     )
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
@@ -1654,9 +1677,10 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         do.stride(2),
         GROUP=group,
         CHUNK=CHUNK,
-        BLOCK_K=block_k,
-        BLOCK_V=_block(v_dim),
+        BLOCK_K=min(_CHUNK_BLOCK, block_k),
+        BLOCK_V=min(_CHUNK_BLOCK, _block(v_dim)),
         num_warps=_WARPS,
+        num_stages=_CHUNK_STAGES,
     )
     return dq, dk, dv, dbeta, db, dh0 if initial_state is not None else None
 
