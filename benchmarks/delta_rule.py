@@ -214,6 +214,24 @@ def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
     return result
 
 
+def print_row(name: str, row: dict, base: dict) -> None:
+    """One implementation's line, as soon as it is timed (a call cut short keeps what it had)."""
+    cells = [f"{row[key]:.3f}" if row[key] is not None else "-" for key in ("fwd", "fwd+bwd")]
+    ratios = [
+        f"{row[key] / base[key]:.2f}x" if row[key] is not None and base[key] else "-"
+        for key in ("fwd", "fwd+bwd")
+    ]
+    peak = row.get("fwd+bwd peak MiB")
+    peak_cell = f"{peak:.0f}" if peak is not None else "-"
+    print(
+        f"{name:45s} {cells[0]:>9s} {cells[1]:>11s} {ratios[0]:>12s} {ratios[1]:>12s} {peak_cell:>13s}",
+        flush=True,
+    )
+    for key, value in row.items():
+        if "error" in key:
+            print(f"    {key}: {value}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -258,39 +276,25 @@ def main() -> None:
             ),
             "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), {}),
         }
+        print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
+        print(
+            f"{'implementation':45s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd vs ours':>12s} {'f+b vs ours':>12s}"
+            f" {'f+b peak MiB':>13s}",
+            flush=True,
+        )
         rows = {}
         for name, (fn, overrides) in implementations.items():
             if fn is None:
-                rows[name] = {
+                row = {
                     "fwd": None,
                     "fwd+bwd": None,
                     "error": fla_source if "fla" in name else "not importable",
                 }
-                continue
-            with patched(overrides):
-                rows[name] = time_one(fn, leaves)
-        base = rows["ours"]
-        print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
-        print(
-            f"{'implementation':45s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd vs ours':>12s} {'f+b vs ours':>12s}"
-            f" {'f+b peak MiB':>13s}"
-        )
-        for name, row in rows.items():
-            cells = []
-            for key in ("fwd", "fwd+bwd"):
-                cells.append(f"{row[key]:.3f}" if row[key] is not None else "-")
-            ratios = []
-            for key in ("fwd", "fwd+bwd"):
-                ok = row[key] is not None and base[key]
-                ratios.append(f"{row[key] / base[key]:.2f}x" if ok else "-")
-            peak = row.get("fwd+bwd peak MiB")
-            peak_cell = f"{peak:.0f}" if peak is not None else "-"
-            print(
-                f"{name:45s} {cells[0]:>9s} {cells[1]:>11s} {ratios[0]:>12s} {ratios[1]:>12s} {peak_cell:>13s}"
-            )
-            for key, value in row.items():
-                if "error" in key:
-                    print(f"    {key}: {value}")
+            else:
+                with patched(overrides):
+                    row = time_one(fn, leaves)
+            rows[name] = row
+            print_row(name, row, rows["ours"])
         if args.kernels:
             times = kernel_times(ours(None), leaves)
             print(f"  ours, forward+backward by kernel (ms): total {sum(times.values()):.3f}")
