@@ -87,6 +87,26 @@ def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
         assert abs(estimate / measured - 1) < 0.10, (name, tokens, estimate, measured)
 
 
+# H200, Qwen3.5-9B's shape cut to 8 layers, LoRA r 16 on every linear, every layer recomputed and
+# offloaded (`benchmarks.compare --runners qlora`, benchmarks/RESULTS.md 2026-12-03).
+MEASURED_HYBRID_PEAKS_GIB = [(4 * 2048, 7.11), (32768, 12.88)]
+
+
+def test_hybrid_estimate_is_within_five_percent_of_the_measured_peaks():
+    """A Gated DeltaNet layer's backward holds the delta rule's tables or the MLP's slice, not both."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.sources.weights import spec_from_config
+
+    spec = spec_from_config(model_config("qwen3.5-9b", layers=8))
+    targets = tuple(sorted({name for kind in spec.layer_types for name in spec.projection_shapes(kind)}))
+    assert len(targets) == 12
+    lora = LoRAConfig(r=16, alpha=32, target_modules=targets)
+    for tokens, measured in MEASURED_HYBRID_PEAKS_GIB:
+        shape = RunShape(tokens, lora)
+        estimate = estimated_peak_bytes(spec, shape, spec.num_layers, offload=True) / 2**30
+        assert abs(estimate / measured - 1) < 0.05, (tokens, estimate, measured)
+
+
 def test_offloading_frees_each_recomputed_layers_input():
 
     kept_inputs = estimated_peak_bytes(QWEN25_7B, SHAPE, 28)
