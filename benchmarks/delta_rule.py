@@ -1,6 +1,6 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
-Usage: python -m benchmarks.delta_rule [--variant columns=64,segments=2,warps=4,stages=1 ...] [--kernels]
+Usage: python -m benchmarks.delta_rule [--variant columns=64,warps=8,stages=1 ...] [--kernels]
     [--before FILE] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
@@ -8,11 +8,10 @@ chunk_gated_delta_rule (the fla package where it imports, its backward refusing 
 3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
-Each `--variant` also times ours with some of the scans' settings replaced: value columns per
-program (`columns`, default kernels.delta_rule._block_v), segments a row (`segments`, default
-kernels.delta_rule._segments), `warps` and software-pipelining `stages`, and the per-chunk
-backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`). `--kernels` prints ours'
-forward+backward by GPU kernel. `--before FILE` also times another copy of kernels/delta_rule.py
+Each `--variant` also times ours with some settings replaced: the scans' value columns per program
+(`columns`, default kernels.delta_rule._block_v), `warps` and software-pipelining `stages`, and the
+per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`).
+`--kernels` prints ours' forward+backward by GPU kernel. `--before FILE` also times another copy of kernels/delta_rule.py
 (`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and after come from one call.
 """
 
@@ -76,19 +75,8 @@ def value_columns(columns: int) -> dict:
     return {"_block_v": lambda v_dim: min(columns, delta_rule_module._block(v_dim))}
 
 
-def row_segments(count: int) -> dict:
-    """The scans with each row cut into `count` segments."""
-
-    def forced(batch, v_heads, v_dim, n_chunks):
-        chunks = -(-n_chunks // count)
-        return -(-n_chunks // chunks), chunks
-
-    return {"_segments": forced}
-
-
 VARIANT_KEYS = {
     "columns": value_columns,
-    "segments": row_segments,
     "warps": lambda warps: {"_SCAN_WARPS": warps},
     "stages": lambda stages: {"_SCAN_STAGES": stages},
     "chunk_block": lambda columns: {"_CHUNK_BLOCK": columns},
@@ -97,7 +85,7 @@ VARIANT_KEYS = {
 
 
 def variant(text: str) -> dict:
-    """`columns=64,segments=2,warps=4,stages=1` as the module settings it replaces."""
+    """`columns=64,warps=8,stages=1` as the module settings it replaces."""
     overrides = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
@@ -238,7 +226,7 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        help="also time ours with these scan settings, e.g. columns=64,segments=2,warps=4,stages=1 (repeatable)",
+        help="also time ours with these settings, e.g. columns=64,warps=8,stages=1 (repeatable)",
     )
     parser.add_argument("--kernels", action="store_true", help="also print ours' time by GPU kernel")
     parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")

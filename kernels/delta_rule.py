@@ -529,52 +529,6 @@ if TRITON_AVAILABLE:
         tl.store(aqk_ptr + token_head[:, None] * CHUNK + local[None, :], aqk.to(dot), mask=valid[:, None])
 
     @triton.jit
-    def _segment_of(n_segments, first_segment, segment_chunks, seq, CHUNK: tl.constexpr):
-        """A scan program's row, its index among the launch's n_segments, and its chunks
-        [first, end): the launch covers the row's segments from first_segment on."""
-        batch = (tl.program_id(1) // n_segments).to(tl.int64)
-        segment = tl.program_id(1) % n_segments
-        first = (segment + first_segment) * segment_chunks
-        return batch, segment, first, tl.minimum(first + segment_chunks, tl.cdiv(seq, CHUNK))
-
-    @triton.jit
-    def _scan_entry(
-        start_ptr,
-        dims,
-        v_cols,
-        k_dim,
-        v_dim,
-        BLOCK_K: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        HAS_START: tl.constexpr,
-        TRANSITION: tl.constexpr,
-    ):
-        """The [Dk, BLOCK_V] slice a scan program starts from: with TRANSITION the value columns
-        from zero and the columns past v_dim (one per key dim) from the identity, so that the end
-        state holds the segment's affine map [local part | linear part]; else the stored start."""
-        if TRANSITION:
-            return (dims[:, None] == v_cols[None, :] - v_dim).to(tl.float32)
-        elif HAS_START:
-            mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
-            return tl.load(start_ptr + dims[:, None] * v_dim + v_cols[None, :], mask=mask, other=0.0)
-        else:
-            return tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-
-    @triton.jit
-    def _store_scan_end(
-        end_ptr, transition_ptr, s, is_end, dims, v_cols, k_dim, v_dim, TRANSITION: tl.constexpr
-    ):
-        """A transition's [Dk, Dv + Dk] slice, or the row's end state (the last segment's forward,
-        the first segment's backward: is_end)."""
-        if TRANSITION:
-            columns = v_dim + k_dim
-            mask = (dims < k_dim)[:, None] & (v_cols < columns)[None, :]
-            tl.store(transition_ptr + dims[:, None] * columns + v_cols[None, :], s, mask=mask)
-        elif is_end:
-            mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
-            tl.store(end_ptr + dims[:, None] * v_dim + v_cols[None, :], s, mask=mask)
-
-    @triton.jit
     def _chunk_scan_fwd_kernel(
         q_ptr,
         k_ptr,
@@ -595,9 +549,6 @@ if TRITON_AVAILABLE:
         v_dim,
         docs_stride_b,
         docs_stride_t,
-        n_segments,
-        first_segment,
-        segment_chunks,
         GROUP: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -606,17 +557,14 @@ if TRITON_AVAILABLE:
         STORE_FINAL: tl.constexpr,
         STORE_STATES: tl.constexpr,
         STORE_OUTPUT: tl.constexpr,
-        TRANSITION: tl.constexpr,
     ):
-        """One (Dv block, row segment, v-head) walks its chunks in order, its state slice
-        [Dk, BLOCK_V] in fp32 registers (the delta rule is separable over v's columns):
+        """One (Dv block, batch, v-head) walks the chunks in order, its state slice [Dk, BLOCK_V]
+        in fp32 registers (the delta rule is separable over v's columns):
         delta = U - W S;  o = (carry exp(b) Q) S + Aqk delta;
         S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta.
-        Each segment starts from h0's entry for it (the states _segment_starts_kernel chains), or
-        with TRANSITION from [0 | I], to find the segment's map S_end = M S_start + L (see
-        _segment_starts_kernel). Backward's rerun stores the entering states (in the tables' dtype:
-        backward only multiplies them) and the corrections, and skips o, which it does not read."""
-        batch, segment, chunk0, chunk_end = _segment_of(n_segments, first_segment, segment_chunks, seq, CHUNK)
+        Backward's rerun stores the entering states (in the tables' dtype: backward only multiplies
+        them) and the corrections, and skips o, which it does not read."""
+        batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
         v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -626,18 +574,12 @@ if TRITON_AVAILABLE:
         state_offsets = dims[:, None] * v_dim + v_cols[None, :]
         state_mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
         state_size = k_dim * v_dim
-        segment_head = (batch * n_segments + segment) * v_heads + head
-        s = _scan_entry(
-            h0_ptr + segment_head * state_size,
-            dims,
-            v_cols,
-            k_dim,
-            v_dim,
-            BLOCK_K,
-            BLOCK_V,
-            HAS_INITIAL,
-            TRANSITION,
-        )
+        if HAS_INITIAL:
+            s = tl.load(
+                h0_ptr + (batch * v_heads + head) * state_size + state_offsets, mask=state_mask, other=0.0
+            )
+        else:
+            s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         n_chunks = tl.cdiv(seq, CHUNK)
         # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
         k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
@@ -645,7 +587,7 @@ if TRITON_AVAILABLE:
         qk_tile = local[:, None] * (k_heads * k_dim) + dims[None, :]
         aqk_tile = local[:, None] * (v_heads * CHUNK) + local[None, :]
         qk_base = batch * seq * (k_heads * k_dim) + (head // GROUP) * k_dim
-        for n in range(chunk0, chunk_end):
+        for n in range(n_chunks):
             start = n * CHUNK
             rows = start + local
             valid = rows < seq
@@ -678,79 +620,8 @@ if TRITON_AVAILABLE:
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
             k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
             s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + _mma(tl.trans(k), delta, dot)
-        if STORE_FINAL or TRANSITION:
-            _store_scan_end(
-                ht_ptr + (batch * v_heads + head) * state_size,
-                ht_ptr + segment_head * (k_dim * (v_dim + k_dim)),
-                s,
-                segment == n_segments - 1,
-                dims,
-                v_cols,
-                k_dim,
-                v_dim,
-                TRANSITION,
-            )
-
-    @triton.jit
-    def _segment_starts_kernel(
-        transition_ptr,
-        first_ptr,
-        starts_ptr,
-        v_heads,
-        k_dim,
-        v_dim,
-        n_segments,
-        BLOCK_K: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_INNER: tl.constexpr,
-        HAS_FIRST: tl.constexpr,
-        REVERSE: tl.constexpr,
-    ):
-        """Chains the segments' maps into the state each segment of a row starts from: S_0 = h0
-        and S_{j+1} = M_j S_j + L_j, or in REVERSE the same from the row's end (dS of the final
-        state) back to its first segment. A transition [L | M] is fp32 [Dk, Dv + Dk]; the products
-        are exact fp32 ("ieee"), on [Dk, BLOCK_V] slices of the states, M_j S_j in BLOCK_INNER
-        slices of Dk read back from the start just stored (a whole [Dk, Dk] M would spill)."""
-        batch = tl.program_id(1).to(tl.int64)
-        head = tl.program_id(2)
-        dims = tl.arange(0, BLOCK_K)
-        inner = tl.arange(0, BLOCK_INNER)
-        v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-        state_size = k_dim * v_dim
-        columns = v_dim + k_dim
-        offsets = dims[:, None] * v_dim + v_cols[None, :]
-        mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
-        if HAS_FIRST:
-            s = tl.load(first_ptr + (batch * v_heads + head) * state_size + offsets, mask=mask, other=0.0)
-        else:
-            s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-        for i in range(n_segments - 1):
-            segment = n_segments - 1 - i if REVERSE else i
-            transition = n_segments - 2 - i if REVERSE else i
-            start_ptr = starts_ptr + ((batch * n_segments + segment) * v_heads + head) * state_size
-            tl.store(start_ptr + offsets, s, mask=mask)
-            tl.debug_barrier()
-            at = transition_ptr + ((batch * (n_segments - 1) + transition) * v_heads + head) * (
-                k_dim * columns
-            )
-            s = tl.load(at + dims[:, None] * columns + v_cols[None, :], mask=mask, other=0.0)
-            for inner_start in tl.static_range(0, BLOCK_K, BLOCK_INNER):
-                rows = inner_start + inner
-                linear = tl.load(
-                    at + dims[:, None] * columns + v_dim + rows[None, :],
-                    mask=(dims < k_dim)[:, None] & (rows < k_dim)[None, :],
-                    other=0.0,
-                )
-                part = tl.load(
-                    start_ptr + rows[:, None] * v_dim + v_cols[None, :],
-                    mask=(rows < k_dim)[:, None] & (v_cols < v_dim)[None, :],
-                    other=0.0,
-                )
-                s += tl.dot(linear, part, input_precision="ieee")
-        last = 0 if REVERSE else n_segments - 1
-        tl.store(
-            starts_ptr + ((batch * n_segments + last) * v_heads + head) * state_size + offsets, s, mask=mask
-        )
+        if STORE_FINAL:
+            tl.store(ht_ptr + (batch * v_heads + head) * state_size + state_offsets, s, mask=state_mask)
 
     @triton.jit
     def _chunk_scan_bwd_kernel(
@@ -775,23 +646,18 @@ if TRITON_AVAILABLE:
         do_stride_b,
         do_stride_t,
         do_stride_h,
-        n_segments,
-        first_segment,
-        segment_chunks,
         GROUP: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
         HAS_FINAL_GRAD: tl.constexpr,
         STORE_INITIAL_GRAD: tl.constexpr,
-        TRANSITION: tl.constexpr,
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32: only what the recurrence
         needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta. It stores each
         chunk's d delta and the dS leaving the chunk; the state's shares of dq, dk, dW and db, which
-        need no recurrence, follow chunk-parallel in _chunk_bwd_state_kernel. Segments as in the
-        forward scan: each starts from dht's entry for it, or with TRANSITION from [0 | I]."""
-        batch, segment, chunk0, chunk_end = _segment_of(n_segments, first_segment, segment_chunks, seq, CHUNK)
+        need no recurrence, follow chunk-parallel in _chunk_bwd_state_kernel."""
+        batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
         v_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -801,18 +667,12 @@ if TRITON_AVAILABLE:
         state_offsets = dims[:, None] * v_dim + v_cols[None, :]
         state_mask = (dims < k_dim)[:, None] & (v_cols < v_dim)[None, :]
         state_size = k_dim * v_dim
-        segment_head = (batch * n_segments + segment) * v_heads + head
-        ds = _scan_entry(
-            dht_ptr + segment_head * state_size,
-            dims,
-            v_cols,
-            k_dim,
-            v_dim,
-            BLOCK_K,
-            BLOCK_V,
-            HAS_FINAL_GRAD,
-            TRANSITION,
-        )
+        if HAS_FINAL_GRAD:
+            ds = tl.load(
+                dht_ptr + (batch * v_heads + head) * state_size + state_offsets, mask=state_mask, other=0.0
+            )
+        else:
+            ds = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         n_chunks = tl.cdiv(seq, CHUNK)
         # Loop-invariant int32 offsets within a chunk; each chunk adds one int64 scalar base.
         k_tile = local[:, None] * (v_heads * k_dim) + dims[None, :]
@@ -821,8 +681,8 @@ if TRITON_AVAILABLE:
         aqk_tile = local[:, None] * (v_heads * CHUNK) + local[None, :]
         do_tile = local[:, None] * do_stride_t + v_cols[None, :]
         qk_base = batch * seq * (k_heads * k_dim) + (head // GROUP) * k_dim
-        for i in range(chunk_end - chunk0):
-            n = chunk_end - 1 - i
+        for i in range(n_chunks):
+            n = n_chunks - 1 - i
             start = n * CHUNK
             rows = start + local
             valid = rows < seq
@@ -832,12 +692,11 @@ if TRITON_AVAILABLE:
             first = (batch * seq + start) * v_heads + head
             b = tl.load(b_ptr + first + local * v_heads, mask=valid, other=0.0)
             b_last = tl.load(b_ptr + (batch * seq + last) * v_heads + head)
-            if not TRANSITION:
-                tl.store(
-                    dh_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
-                    ds.to(dh_ptr.dtype.element_ty),
-                    mask=state_mask,
-                )
+            tl.store(
+                dh_ptr + ((batch * n_chunks + n) * v_heads + head) * state_size + state_offsets,
+                ds.to(dh_ptr.dtype.element_ty),
+                mask=state_mask,
+            )
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
             v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
             qk_at = qk_base + start * (k_heads * k_dim) + qk_tile
@@ -848,25 +707,14 @@ if TRITON_AVAILABLE:
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
             k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
             ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot)
-            if not TRANSITION:
-                tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
             q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
             q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
             w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
             decay = tl.where(last_carries, tl.exp(b_last), 0.0)
             ds = ds * decay + _mma(tl.trans(q), do, dot) - _mma(tl.trans(w), ddelta, dot)
-        if STORE_INITIAL_GRAD or TRANSITION:
-            _store_scan_end(
-                dh0_ptr + (batch * v_heads + head) * state_size,
-                dh0_ptr + segment_head * (k_dim * (v_dim + k_dim)),
-                ds,
-                segment == 0,
-                dims,
-                v_cols,
-                k_dim,
-                v_dim,
-                TRANSITION,
-            )
+        if STORE_INITIAL_GRAD:
+            tl.store(dh0_ptr + (batch * v_heads + head) * state_size + state_offsets, ds, mask=state_mask)
 
     @triton.jit
     def _chunk_bwd_state_kernel(
@@ -1233,59 +1081,9 @@ _CHUNK_STAGES = 3
 
 
 def _block_v(v_dim: int) -> int:
-    """The scans run one program per (Dv block, row segment, v-head); 32 columns keep the fp32 state
-    slice [Dk, 32] in registers and give B*Hv*Dv/32 programs (256 at 9B's B=2) to fill the GPU."""
+    """The scans run one program per (Dv block, batch, v-head); 32 columns keep the fp32 state slice
+    [Dk, 32] in registers and give B*Hv*Dv/32 programs (256 at 9B's B=2) to fill the GPU."""
     return min(32, _block(v_dim))
-
-
-# A row is cut into segments when the scans would run fewer programs than this (one long row: 128
-# at 9B's shape): each segment's map S_end = M S_start + L is found at once for all segments (the
-# scan over [Dv + Dk] columns from [0 | I]), the maps are chained from the row's start (a short
-# pass of [Dk, Dk] products), and each segment then scans from its true start. About 2.5 times the
-# arithmetic, over n_segments times the programs, each n_segments times shorter. Segments keep at
-# least _MIN_SEGMENT_CHUNKS chunks, so the chaining stays a small share.
-_SCAN_PROGRAMS = 512
-_MIN_SEGMENT_CHUNKS = 8
-
-
-def _segments(batch: int, v_heads: int, v_dim: int, n_chunks: int) -> tuple[int, int]:
-    """(segments per row, chunks per segment) for the scans."""
-    programs = triton.cdiv(v_dim, _block_v(v_dim)) * batch * v_heads
-    wanted = min(triton.cdiv(_SCAN_PROGRAMS, programs), n_chunks // _MIN_SEGMENT_CHUNKS)
-    if wanted <= 1:
-        return 1, n_chunks
-    segment_chunks = triton.cdiv(n_chunks, wanted)
-    return triton.cdiv(n_chunks, segment_chunks), segment_chunks
-
-
-def _segment_starts(scan_transitions, first, shape, n_segments: int, reverse: bool, device) -> torch.Tensor:
-    """fp32 [B, n_segments, Hv, Dk, Dv]: the state (reverse: dS) each segment of a row starts from,
-    given the row's own (first, or None for zero) and scan_transitions(out), which writes the maps
-    [L | M] of the segments after the first (reverse: before the last) into out."""
-    batch, v_heads, k_dim, v_dim = shape
-    columns = v_dim + k_dim
-    transitions = torch.empty(
-        batch, n_segments - 1, v_heads, k_dim, columns, dtype=torch.float32, device=device
-    )
-    scan_transitions(transitions)
-    starts = torch.empty(batch, n_segments, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
-    block_v = _block_v(v_dim)
-    _segment_starts_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
-        transitions,
-        starts if first is None else first,
-        starts,
-        v_heads,
-        k_dim,
-        v_dim,
-        n_segments,
-        BLOCK_K=_block(k_dim),
-        BLOCK_V=block_v,
-        BLOCK_INNER=16,
-        HAS_FIRST=first is not None,
-        REVERSE=reverse,
-        num_warps=_WARPS,
-    )
-    return starts
 
 
 _L2NORM_ROWS = 32
@@ -1434,56 +1232,37 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
         else o
     )
     delta = torch.empty(u.shape, dtype=tables, device=device) if store_states else o
-    n_segments, segment_chunks = _segments(batch, v_heads, v_dim, n_chunks)
-
-    def scan(columns, segments, first_segment, start, end, transition):
-        _chunk_scan_fwd_kernel[(triton.cdiv(columns, block_v), batch * segments, v_heads)](
-            q,
-            k,
-            w,
-            u,
-            aqk,
-            b,
-            docs,
-            o if start is None else start,
-            o,
-            delta,
-            h,
-            end,
-            seq,
-            k_heads,
-            v_heads,
-            k_dim,
-            v_dim,
-            docs.stride(0),
-            docs.stride(1),
-            segments,
-            first_segment,
-            segment_chunks,
-            GROUP=group,
-            CHUNK=CHUNK,
-            BLOCK_K=block_k,
-            BLOCK_V=block_v,
-            HAS_INITIAL=start is not None,
-            STORE_FINAL=output_final_state and not transition,
-            STORE_STATES=store_states and not transition,
-            STORE_OUTPUT=not (store_states or transition),
-            TRANSITION=transition,
-            num_warps=_SCAN_WARPS,
-            num_stages=_SCAN_STAGES,
-        )
-
-    start = initial_state
-    if n_segments > 1:
-        start = _segment_starts(
-            lambda transitions: scan(v_dim + k_dim, n_segments - 1, 0, None, transitions, True),
-            initial_state,
-            (batch, v_heads, k_dim, v_dim),
-            n_segments,
-            False,
-            device,
-        )
-    scan(v_dim, n_segments, 0, start, final, False)
+    _chunk_scan_fwd_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
+        q,
+        k,
+        w,
+        u,
+        aqk,
+        b,
+        docs,
+        o if initial_state is None else initial_state,
+        o,
+        delta,
+        h,
+        final,
+        seq,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        docs.stride(0),
+        docs.stride(1),
+        GROUP=group,
+        CHUNK=CHUNK,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        HAS_INITIAL=initial_state is not None,
+        STORE_FINAL=output_final_state,
+        STORE_STATES=store_states,
+        STORE_OUTPUT=not store_states,
+        num_warps=_SCAN_WARPS,
+        num_stages=_SCAN_STAGES,
+    )
     saved = (t, w, u, aqk, h, delta) if store_states else None
     return o, final if output_final_state else None, saved
 
@@ -1554,56 +1333,37 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     ddelta = torch.empty(u.shape, dtype=w.dtype, device=device)
     dh = torch.empty_like(h)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else ddelta
-    n_segments, segment_chunks = _segments(batch, v_heads, v_dim, triton.cdiv(seq, CHUNK))
-
-    def scan(columns, segments, first_segment, start, end, transition):
-        _chunk_scan_bwd_kernel[(triton.cdiv(columns, block_v), batch * segments, v_heads)](
-            q,
-            k,
-            w,
-            aqk,
-            b,
-            docs,
-            do,
-            ddelta if start is None else start,
-            ddelta,
-            dh,
-            end,
-            seq,
-            k_heads,
-            v_heads,
-            k_dim,
-            v_dim,
-            docs.stride(0),
-            docs.stride(1),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            segments,
-            first_segment,
-            segment_chunks,
-            GROUP=group,
-            CHUNK=CHUNK,
-            BLOCK_K=block_k,
-            BLOCK_V=block_v,
-            HAS_FINAL_GRAD=start is not None,
-            STORE_INITIAL_GRAD=initial_state is not None and not transition,
-            TRANSITION=transition,
-            num_warps=_SCAN_WARPS,
-            num_stages=_SCAN_STAGES,
-        )
-
-    start = None if dfinal is None else dfinal.contiguous()
-    if n_segments > 1:
-        start = _segment_starts(
-            lambda transitions: scan(v_dim + k_dim, n_segments - 1, 1, None, transitions, True),
-            start,
-            (batch, v_heads, k_dim, v_dim),
-            n_segments,
-            True,
-            device,
-        )
-    scan(v_dim, n_segments, 0, start, dh0, False)
+    _chunk_scan_bwd_kernel[(triton.cdiv(v_dim, block_v), batch, v_heads)](
+        q,
+        k,
+        w,
+        aqk,
+        b,
+        docs,
+        do,
+        ddelta if dfinal is None else dfinal.contiguous(),
+        ddelta,
+        dh,
+        dh0,
+        seq,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        docs.stride(0),
+        docs.stride(1),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        GROUP=group,
+        CHUNK=CHUNK,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        HAS_FINAL_GRAD=dfinal is not None,
+        STORE_INITIAL_GRAD=initial_state is not None,
+        num_warps=_SCAN_WARPS,
+        num_stages=_SCAN_STAGES,
+    )
     dq, dk, dw = (
         torch.empty(batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(3)
     )
