@@ -1,7 +1,7 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
 Usage: python -m benchmarks.delta_rule [--variant columns=64,warps=8,stages=1 ...] [--kernels]
-    [--before FILE] [--json FILE]
+    [--before PATH] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -9,10 +9,12 @@ chunk_gated_delta_rule (the fla package where it imports, its backward refusing 
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens.
 Each `--variant` also times ours with some settings replaced: the scans' value columns per program
-(`columns`, default kernels.delta_rule._block_v), `warps` and software-pipelining `stages`, and the
+(`columns`, default kernels/delta_rule/scan.py's _block_v), `warps` and software-pipelining `stages`, and the
 per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`).
-`--kernels` prints ours' forward+backward by GPU kernel. `--before FILE` also times another copy of kernels/delta_rule.py
-(`git show REV:kernels/delta_rule.py > FILE`), so that a change's before and after come from one call.
+`--kernels` prints ours' forward+backward by GPU kernel. `--before PATH` also times another copy of
+the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then DIR/kernels/delta_rule;
+before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
+after come from one call.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -28,6 +32,7 @@ import torch
 import qlora_kernels.delta_rule as delta_rule_module
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
+from qlora_kernels.delta_rule import backward, common, scan
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 SHAPES = [(4, 2048), (1, 32768)]
@@ -50,37 +55,46 @@ def ours(doc_ids: torch.Tensor | None, module: ModuleType = delta_rule_module) -
 
 
 def load_before(path: str) -> ModuleType:
-    """A saved copy of kernels/delta_rule.py, imported beside ours under its own name."""
-    spec = importlib.util.spec_from_file_location("qlora_kernels.delta_rule_before", path)
+    """A saved copy of the delta rule, imported beside ours under its own name: a copy of the package
+    kernels/delta_rule/ (its modules import each other relatively) or of the single file it was."""
+    folder = Path(path)
+    name = "qlora_kernels.delta_rule_before"
+    if folder.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+    else:
+        spec = importlib.util.spec_from_file_location(name, folder)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
 @contextlib.contextmanager
 def patched(overrides: dict):
-    """Our module with some settings replaced while timing (an empty dict: as shipped)."""
-    defaults = {name: getattr(delta_rule_module, name) for name in overrides}
-    for name, value in overrides.items():
-        setattr(delta_rule_module, name, value)
+    """Our modules with some settings replaced while timing: {(module, name): value}, {} as shipped."""
+    defaults = {key: getattr(*key) for key in overrides}
+    for (module, name), value in overrides.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name, value in defaults.items():
-            setattr(delta_rule_module, name, value)
+        for (module, name), value in defaults.items():
+            setattr(module, name, value)
 
 
 def value_columns(columns: int) -> dict:
     """The scans with `columns` value columns per program."""
-    return {"_block_v": lambda v_dim: min(columns, delta_rule_module._block(v_dim))}
+    return {(scan, "_block_v"): lambda v_dim: min(columns, common._block(v_dim))}
 
 
 VARIANT_KEYS = {
     "columns": value_columns,
-    "warps": lambda warps: {"_SCAN_WARPS": warps},
-    "stages": lambda stages: {"_SCAN_STAGES": stages},
-    "chunk_block": lambda columns: {"_CHUNK_BLOCK": columns},
-    "chunk_stages": lambda stages: {"_CHUNK_STAGES": stages},
+    "warps": lambda warps: {(scan, "_SCAN_WARPS"): warps},
+    "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages},
+    "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
+    "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},
 }
 
 
@@ -229,7 +243,9 @@ def main() -> None:
         help="also time ours with these settings, e.g. columns=64,warps=8,stages=1 (repeatable)",
     )
     parser.add_argument("--kernels", action="store_true", help="also print ours' time by GPU kernel")
-    parser.add_argument("--before", help="also time this copy of kernels/delta_rule.py, as 'before'")
+    parser.add_argument(
+        "--before", help="also time this copy of the delta rule (folder or file), as 'before'"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():

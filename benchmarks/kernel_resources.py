@@ -28,6 +28,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
 from qlora_kernels import attention, conv1d, delta_rule, fp8
+from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
 
 # Per block, by compute capability (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -156,7 +157,7 @@ def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> l
             (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
         )
         step_state = _meta(BATCH, v_heads, k_dim, v_dim, dtype=torch.float32)
-        delta_rule._step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], step_state, k_dim**-0.5, True)
+        delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], step_state, k_dim**-0.5, True)
     return launches
 
 

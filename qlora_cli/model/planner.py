@@ -89,7 +89,7 @@ def kept_activation_bytes(
     Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
     rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
     LoRA input, and down keeps the SwiGLU output. A Gated DeltaNet layer's delta rule keeps only
-    its inputs (kernels/delta_rule.py recomputes its chunk tables in backward).
+    its inputs (kernels/delta_rule recomputes its chunk tables in backward).
     """
     per_token = (
         3 * spec.hidden_size  # layer input, residual, normed input
@@ -122,7 +122,7 @@ def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTIO
 
 def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
     """What the delta rule's backward holds at its peak for one Gated DeltaNet layer
-    (kernels/delta_rule.py: _chunk_forward with store_states, then _chunk_backward's state pass),
+    (kernels/delta_rule: _chunk_forward with store_states, then _chunk_backward's state pass),
     per value head and token: in the tables' dtype the chunk solve and q·k tables (2 × CHUNK), w
     (Dk), the corrections and their gradient (2 Dv), and the states entering and the gradients
     leaving each chunk (2 Dk·Dv / CHUNK); in fp32 u (Dv), the state's dq, dk and dw (3 Dk), db and

@@ -1,0 +1,154 @@
+"""The public calls: the autograd Function (it saves only the inputs and recomputes the tables and
+states in backward) and the decode step, each falling back to the reference where triton cannot run."""
+
+import torch
+
+from qlora_kernels._dispatch import use_triton
+from qlora_kernels._layout import documents_per_token, unit_last_stride
+
+from .backward import _chunk_backward
+from .common import _table_dtype
+from .reference import gated_delta_rule_reference, gated_delta_rule_step_reference
+from .scan import _scan_forward
+from .step import _step
+from .tables import _chunk_cumsum, _chunk_tables, _normalized, _normalized_backward
+
+_MAX_HEAD_DIM = 256
+
+
+def _check(q, k, v, g, beta, initial_state) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    batch, seq, k_heads, k_dim = q.shape
+    v_heads, v_dim = v.shape[2:]
+    if v_heads % k_heads:
+        raise ValueError(f"the v-heads ({v_heads}) must be a multiple of the k-heads ({k_heads})")
+    if g.shape != (batch, seq, v_heads) or beta.shape != (batch, seq, v_heads):
+        raise ValueError(f"g and beta must be [B, T, Hv] = {(batch, seq, v_heads)}")
+    if max(k_dim, v_dim) > _MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {_MAX_HEAD_DIM} are supported, got Dk={k_dim}, Dv={v_dim}")
+    if initial_state is not None and initial_state.shape != (batch, v_heads, k_dim, v_dim):
+        raise ValueError(f"initial_state must be [B, Hv, Dk, Dv] = {(batch, v_heads, k_dim, v_dim)}")
+
+
+def _prepare(q, k, v, g, docs, scale, normalize_qk):
+    return (
+        _normalized(q, scale, normalize_qk, _table_dtype(v)),
+        _normalized(k, 1.0, normalize_qk, _table_dtype(v)),
+        _chunk_cumsum(g, docs, False),
+    )
+
+
+def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, store_states):
+    """The chunked forward on normalised q, k (in the tables' dtype) and the per-chunk cumulative
+    log-decay b; with store_states, backward's rerun: no output, and the tables and per-chunk states
+    that backward reads."""
+    t, w, u, aqk = _chunk_tables(q, k, v, beta, b, docs)
+    o, final, states = _scan_forward(
+        q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states
+    )
+    return o, final, (t, w, u, aqk, *states) if store_states else None
+
+
+class GatedDeltaRuleFunction(torch.autograd.Function):
+    """Saves only the inputs: backward recomputes the chunk tables and the per-chunk states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state):
+        q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+        q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
+        o, final, _ = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False)
+        ctx.save_for_backward(q, k, v, g, beta, docs, initial_state)
+        ctx.scale, ctx.normalize_qk = scale, normalize_qk
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, docs, initial_state = ctx.saved_tensors
+        q_hat, k_hat, b = _prepare(q, k, v, g, docs, ctx.scale, ctx.normalize_qk)
+        _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, False, True)
+        dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
+            q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal
+        )
+        batch, seq, k_heads, k_dim = q.shape
+        per_k_head = (batch, seq, k_heads, v.shape[2] // k_heads, k_dim)
+        dq = _normalized_backward(q, dq_hat.view(per_k_head).sum(3), ctx.scale, ctx.normalize_qk)
+        dk = _normalized_backward(k, dk_hat.view(per_k_head).sum(3), 1.0, ctx.normalize_qk)
+        dg = _chunk_cumsum(db, docs, True).to(g.dtype)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    normalize_qk: bool = True,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Qwen3.5's chunked gated delta rule; returns (o [B, T, Hv, Dv] in v's dtype, final state or None).
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv], Hv a multiple of Hk (v-head h reads k-head h // (Hv/Hk),
+    as transformers' repeat_interleave); g (log-decay, <= 0) and beta [B, T, Hv]; doc_ids int [B, T]
+    or None: the state restarts from zero where doc_ids changes, and initial_state (fp32
+    [B, Hv, Dk, Dv]) seeds each row's first document only. The final state, fp32 [B, Hv, Dk, Dv],
+    is the state after each row's last token. scale defaults to Dk**-0.5; normalize_qk L2-normalises
+    q and k first (transformers' l2norm). Dk and Dv up to 256, any size (padded to powers of two).
+    """
+    _check(q, k, v, g, beta, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_triton(v):
+        if initial_state is not None:
+            initial_state = initial_state.float().contiguous()
+        return GatedDeltaRuleFunction.apply(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            documents_per_token(doc_ids, v),
+            initial_state,
+            scale,
+            normalize_qk,
+            output_final_state,
+        )
+    return gated_delta_rule_reference(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        doc_ids,
+        scale=scale,
+        normalize_qk=normalize_qk,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    normalize_qk: bool = True,
+) -> torch.Tensor:
+    """One decode token: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] -> o [B, Hv, Dv] in v's
+    dtype; state (fp32 [B, Hv, Dk, Dv]) is updated in place. No host syncs and no value-dependent
+    allocation, so a CUDA graph can capture it. Inference only (no autograd)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_triton(v):
+        return _step(q, k, v, g, beta, state, scale, normalize_qk)
+    return gated_delta_rule_step_reference(q, k, v, g, beta, state, scale=scale, normalize_qk=normalize_qk)
