@@ -73,7 +73,7 @@ if TRITON_AVAILABLE:
         dq = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
         dk = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
         dw = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
-        carried = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        carried = 0.0
         for v_start in range(0, v_dim, BLOCK_V):
             v_cols = v_start + tl.arange(0, BLOCK_V)
             v_mask = valid[:, None] & (v_cols < v_dim)[None, :]
@@ -89,7 +89,7 @@ if TRITON_AVAILABLE:
             dq += _mma(do, tl.trans(s), dot)
             dk += _mma(delta, tl.trans(ds), dot)
             dw -= _mma(ddelta, tl.trans(s), dot)
-            carried += s.to(tl.float32) * ds.to(tl.float32)
+            carried += tl.sum(tl.sum(s.to(tl.float32) * ds.to(tl.float32), axis=1), axis=0)
         dq *= tl.where(carry, tl.exp(b), 0.0)[:, None]
         dk *= tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
         qk_offsets = (
@@ -102,7 +102,7 @@ if TRITON_AVAILABLE:
         db = tl.sum(dq * q, axis=1) - dk_terms
         db += tl.where(
             local == last - start,
-            tl.sum(dk_terms, axis=0) + decay * tl.sum(tl.sum(carried, axis=1), axis=0),
+            tl.sum(dk_terms, axis=0) + decay * carried,
             0.0,
         )
         k_offsets = token_head[:, None] * k_dim + dims[None, :]

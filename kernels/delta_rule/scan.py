@@ -274,7 +274,7 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
 
 def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
     """d delta (for every chunk), dS leaving each chunk (h's layout and dtype) and d initial_state."""
-    batch, seq, k_heads, k_dim = q.shape
+    batch, seq, k_heads = q.shape[:3]
     v_heads, k_dim, v_dim = h.shape[2:]
     device = q.device
     ddelta = torch.empty(batch, seq, v_heads, v_dim, dtype=w.dtype, device=device)
