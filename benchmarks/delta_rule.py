@@ -7,7 +7,8 @@ forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_del
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
 3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
-(ours and fla) packed with documents of 512 tokens.
+(ours and fla) packed with documents of 512 tokens, and ours in the passes Qwen3.5-9B's layers bound
+it to (qlora_cli/model/planner.py's delta_rule_tokens_per_pass).
 Each `--variant` also times ours with some settings replaced: the scans' value columns per program
 (`columns`, default kernels/delta_rule/scan.py's _block_v), `warps` and software-pipelining `stages`, and the
 per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`).
@@ -50,8 +51,20 @@ def inputs(batch: int, seq: int) -> list[torch.Tensor]:
     return [q, k, v, g, beta]
 
 
-def ours(doc_ids: torch.Tensor | None, module: ModuleType = delta_rule_module) -> Callable:
-    return lambda q, k, v, g, beta: module.gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+def ours(
+    doc_ids: torch.Tensor | None, module: ModuleType = delta_rule_module, tokens_per_pass: int | None = None
+) -> Callable:
+    passes = {} if tokens_per_pass is None else {"tokens_per_pass": tokens_per_pass}
+    return lambda q, k, v, g, beta: module.gated_delta_rule(q, k, v, g, beta, doc_ids, **passes)[0]
+
+
+def model_tokens_per_pass(tokens: int) -> int:
+    """The bound Qwen3.5-9B's Gated DeltaNet layers put on a pass at this many tokens."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.model.planner import delta_rule_tokens_per_pass
+    from qlora_cli.sources.weights import spec_from_config
+
+    return delta_rule_tokens_per_pass(spec_from_config(model_config("qwen3.5-9b")), tokens)
 
 
 def load_before(path: str) -> ModuleType:
@@ -258,9 +271,11 @@ def main() -> None:
         leaves = inputs(batch, seq)
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
         cu_seqlens = torch.arange(0, batch * seq + 1, PACKED_LENGTH, device="cuda")
+        passes = model_tokens_per_pass(batch * seq)
         implementations = {
             "ours": (ours(None), {}),
             f"ours, packed {PACKED_LENGTH}": (ours(doc_ids), {}),
+            f"ours, passes of <= {passes} tokens (9B)": (ours(None, tokens_per_pass=passes), {}),
             **{name: (ours(None), overrides) for name, overrides in variants.items()},
             **(
                 {

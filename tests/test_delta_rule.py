@@ -109,6 +109,37 @@ def test_state_gradients_add_up_over_value_blocks():
     _check_against_reference(2, SEQ, 1, True, True, True, v_dim=72)
 
 
+@pytest.mark.parametrize("with_state", [True, False], ids=["with-state", "no-state"])
+@pytest.mark.parametrize(
+    "tokens_per_pass", [150, 100, 64], ids=["row-by-row", "spans-of-one-chunk-and-a-tail", "chunk-by-chunk"]
+)
+def test_passes_carry_the_state_across_spans(tokens_per_pass, with_state):
+    """A bound on the tokens a pass takes splits the batch into rows and a row into spans of whole
+    chunks: the state must carry from span to span, forward and backward, and stop where a document
+    starts on a span's first token (row 0 at 64, row 1 at 128). Under weak decay the carried state
+    is as large as a chunk's own terms, so dropping it, or carrying it into a new document, fails."""
+    leaves = _inputs(batch=2, seq=SEQ, k_heads=1, v_heads=2)
+    with torch.no_grad():
+        leaves[3].mul_(0.015)
+    doc_ids = _doc_ids([[CHUNK, 1, 30, SEQ - CHUNK - 31], [2 * CHUNK, 1, SEQ - 2 * CHUNK - 1]])
+    grad_leaves = leaves if with_state else leaves[:5]
+
+    def in_passes(*args, **kwargs):
+        return gated_delta_rule(*args, tokens_per_pass=tokens_per_pass, **kwargs)
+
+    out = _run(in_passes, leaves, doc_ids, with_state)
+    ref = _run(gated_delta_rule_reference, leaves, doc_ids, with_state)
+    generator = torch.Generator().manual_seed(1)
+    out_grads = [None if o is None else torch.randn(o.shape, generator=generator) for o in ref]
+    for name, actual, expected in zip(["o", "final_state"], out, ref, strict=True):
+        if expected is not None:
+            _assert_close(actual, expected, name=name)
+    grads, ref_grads = _grads(out, grad_leaves, out_grads), _grads(ref, grad_leaves, out_grads)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dstate"][: len(grad_leaves)]
+    for name, actual, expected in zip(names, grads, ref_grads, strict=True):
+        _assert_close(actual, expected, name=name)
+
+
 def _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk, v_dim=V_DIM, g_scale=1.0):
     leaves = _inputs(batch=batch, seq=seq, k_heads=k_heads, v_heads=2 * k_heads, v_dim=v_dim)
     with torch.no_grad():
@@ -260,12 +291,22 @@ def _gpu_case(seed=0):
     return [*bf16, g.requires_grad_(True), beta.bfloat16().requires_grad_(True), state.requires_grad_(True)]
 
 
+# The model's bound on a pass's tokens at this shape: all at once, row by row, and spans of 1024
+# (row 1's second document starts on the second span's first token).
+GPU_TOKENS_PER_PASS = [None, 2048, 1024]
+
+
 @pytest.mark.gpu
-def test_gpu_bf16_against_fp32_reference():
+@pytest.mark.parametrize("tokens_per_pass", GPU_TOKENS_PER_PASS)
+def test_gpu_bf16_against_fp32_reference(tokens_per_pass):
     leaves = _gpu_case()
     ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
     doc_ids = _doc_ids(GPU_PACKED).cuda()
-    out = _run(gated_delta_rule, leaves, doc_ids, True)
+
+    def in_passes(*args, **kwargs):
+        return gated_delta_rule(*args, tokens_per_pass=tokens_per_pass, **kwargs)
+
+    out = _run(in_passes, leaves, doc_ids, True)
     ref = _run(gated_delta_rule_reference, ref_leaves, doc_ids, True)
     generator = torch.Generator(device="cuda").manual_seed(1)
     do = torch.randn(ref[0].shape, generator=generator, device="cuda").bfloat16()
@@ -300,15 +341,19 @@ def test_gpu_packed_row_equals_documents_one_by_one():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("tokens_per_pass", GPU_TOKENS_PER_PASS)
+def test_gpu_cuda_graph_replay_equals_eager(tokens_per_pass):
     """Forward + backward captured in one graph, and the decode step in another, replay bit for bit
     as eager calls: no host syncs, no value-dependent shapes and no atomics in the Triton path."""
     leaves = _gpu_case(seed=3)
     doc_ids = _doc_ids(GPU_PACKED).cuda()
     do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
 
+    def in_passes(*args, **kwargs):
+        return gated_delta_rule(*args, tokens_per_pass=tokens_per_pass, **kwargs)
+
     def step(inputs):
-        o, final = _run(gated_delta_rule, inputs, doc_ids, True)
+        o, final = _run(in_passes, inputs, doc_ids, True)
         return (o, final, *torch.autograd.grad((o, final), inputs, (do, torch.ones_like(final))))
 
     # The eager run takes copies: a leaf that autograd first met on the default (legacy) stream would

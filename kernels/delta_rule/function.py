@@ -7,7 +7,7 @@ from qlora_kernels._dispatch import use_triton
 from qlora_kernels._layout import documents_per_token, unit_last_stride
 
 from .backward import _chunk_backward
-from .common import _table_dtype
+from .common import CHUNK, _table_dtype
 from .reference import gated_delta_rule_reference, gated_delta_rule_step_reference
 from .scan import _scan_forward
 from .step import _step
@@ -53,32 +53,137 @@ def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, st
     return o, final, (t, w, u, aqk, *states) if store_states else None
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _passes(batch: int, seq: int, tokens_per_pass: int | None) -> list[tuple[slice, list[slice]]]:
+    """The rows each pass takes and, in order, the spans of the row it walks: whole rows, as many
+    as tokens_per_pass holds (shared evenly), or a row longer than that one span of whole chunks
+    at a time, the state carried from span to span. The tables a pass builds grow with its tokens."""
+    whole = [slice(0, seq)]
+    if tokens_per_pass is None or batch * seq <= tokens_per_pass:
+        return [(slice(0, batch), whole)]
+    if seq <= tokens_per_pass:
+        groups = _cdiv(batch, max(1, tokens_per_pass // seq))
+        rows = _cdiv(batch, groups)
+        return [(slice(r, min(r + rows, batch)), whole) for r in range(0, batch, rows)]
+    longest = max(CHUNK, tokens_per_pass // CHUNK * CHUNK)
+    span = _cdiv(_cdiv(seq, _cdiv(seq, longest)), CHUNK) * CHUNK
+    spans = [slice(t, min(t + span, seq)) for t in range(0, seq, span)]
+    return [(slice(r, r + 1), spans) for r in range(batch)]
+
+
+def _single(passes) -> bool:
+    return len(passes) == 1 and len(passes[0][1]) == 1
+
+
+def _continues(docs: torch.Tensor, start: int) -> torch.Tensor:
+    """[rows, 1, 1, 1]: 1 where the token at `start` continues the document before it, so the state
+    carries into the span starting there; 0 where a document starts on it."""
+    return (docs[:, start] == docs[:, start - 1]).float().view(-1, 1, 1, 1)
+
+
 class GatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves only the inputs: backward recomputes the chunk tables and the per-chunk states."""
+    """Saves only the inputs and the state entering each span after a row's first: backward
+    recomputes the chunk tables and the per-chunk states, pass by pass (_passes), last span first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state):
+    def forward(
+        ctx, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state, tokens_per_pass
+    ):
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
-        q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
-        o, final, _ = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False)
-        ctx.save_for_backward(q, k, v, g, beta, docs, initial_state)
-        ctx.scale, ctx.normalize_qk = scale, normalize_qk
+        passes = _passes(v.shape[0], v.shape[1], tokens_per_pass)
+        if _single(passes):
+            q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
+            o, final, _ = _chunk_forward(
+                q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False
+            )
+            carried = []
+        else:
+            o, final, carried = _forward_in_passes(
+                passes, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state
+            )
+        ctx.save_for_backward(q, k, v, g, beta, docs, initial_state, *carried)
+        ctx.scale, ctx.normalize_qk, ctx.passes = scale, normalize_qk, passes
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, g, beta, docs, initial_state = ctx.saved_tensors
-        q_hat, k_hat, b = _prepare(q, k, v, g, docs, ctx.scale, ctx.normalize_qk)
-        _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, False, True)
-        dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
-            q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal
-        )
-        batch, seq, k_heads, k_dim = q.shape
-        per_k_head = (batch, seq, k_heads, v.shape[2] // k_heads, k_dim)
-        dq = _normalized_backward(q, dq_hat.view(per_k_head).sum(3), ctx.scale, ctx.normalize_qk)
-        dk = _normalized_backward(k, dk_hat.view(per_k_head).sum(3), 1.0, ctx.normalize_qk)
-        dg = _chunk_cumsum(db, docs, True).to(g.dtype)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+        q, k, v, g, beta, docs, initial_state, *carried = ctx.saved_tensors
+        if _single(ctx.passes):
+            grads = _span_backward(
+                q, k, v, g, beta, docs, initial_state, do, dfinal, ctx.scale, ctx.normalize_qk
+            )
+            return *grads[:5], None, grads[5], None, None, None, None
+        grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+        dh0 = None if initial_state is None else torch.empty_like(initial_state)
+        carried = iter(carried)
+        for rows, spans in ctx.passes:
+            entering = [None if initial_state is None else initial_state[rows]]
+            entering += [next(carried) for _ in spans[1:]]
+            dstate = None if dfinal is None else dfinal[rows]
+            for i in reversed(range(len(spans))):
+                part = (rows, spans[i])
+                span_grads = _span_backward(
+                    q[part],
+                    k[part],
+                    v[part],
+                    g[part],
+                    beta[part],
+                    docs[part],
+                    entering[i],
+                    do[part],
+                    dstate,
+                    ctx.scale,
+                    ctx.normalize_qk,
+                )
+                for grad, span_grad in zip(grads, span_grads[:5], strict=True):
+                    grad[part] = span_grad
+                dstate = span_grads[5]
+                if i:
+                    dstate = dstate * _continues(docs[rows], spans[i].start)
+            if dh0 is not None:
+                dh0[rows] = dstate
+        return *grads, None, dh0, None, None, None, None
+
+
+def _forward_in_passes(
+    passes, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state
+):
+    """o, the final state and the states carried into each span after a row's first."""
+    o = torch.empty_like(v)
+    finals, carried = [], []
+    for rows, spans in passes:
+        state = None if initial_state is None else initial_state[rows]
+        for i, span in enumerate(spans):
+            if i:
+                state = state * _continues(docs[rows], span.start)
+                carried.append(state)
+            part = (rows, span)
+            q_hat, k_hat, b = _prepare(q[part], k[part], v[part], g[part], docs[part], scale, normalize_qk)
+            keep_final = output_final_state or i + 1 < len(spans)
+            o[part], state, _ = _chunk_forward(
+                q_hat, k_hat, v[part], beta[part], b, docs[part], state, keep_final, False
+            )
+        finals.append(state)
+    return o, torch.cat(finals) if output_final_state else None, carried
+
+
+def _span_backward(q, k, v, g, beta, docs, initial_state, do, dfinal, scale, normalize_qk):
+    """dq, dk, dv, dg, dbeta and d initial_state of one pass's span: its tables and per-chunk states
+    rerun, then the chunk-parallel gradients."""
+    q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
+    _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, False, True)
+    dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
+        q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal
+    )
+    batch, seq, k_heads, k_dim = q.shape
+    per_k_head = (batch, seq, k_heads, v.shape[2] // k_heads, k_dim)
+    dq = _normalized_backward(q, dq_hat.view(per_k_head).sum(3), scale, normalize_qk)
+    dk = _normalized_backward(k, dk_hat.view(per_k_head).sum(3), 1.0, normalize_qk)
+    dg = _chunk_cumsum(db, docs, True).to(g.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def gated_delta_rule(
@@ -93,6 +198,7 @@ def gated_delta_rule(
     normalize_qk: bool = True,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    tokens_per_pass: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Qwen3.5's chunked gated delta rule; returns (o [B, T, Hv, Dv] in v's dtype, final state or None).
 
@@ -102,6 +208,8 @@ def gated_delta_rule(
     [B, Hv, Dk, Dv]) seeds each row's first document only. The final state, fp32 [B, Hv, Dk, Dv],
     is the state after each row's last token. scale defaults to Dk**-0.5; normalize_qk L2-normalises
     q and k first (transformers' l2norm). Dk and Dv up to 256, any size (padded to powers of two).
+    tokens_per_pass bounds the tokens whose chunk tables the Triton path builds at once, forward and
+    backward (their bytes grow with the tokens; the result does not change); None: all at once.
     """
     _check(q, k, v, g, beta, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -119,6 +227,7 @@ def gated_delta_rule(
             scale,
             normalize_qk,
             output_final_state,
+            tokens_per_pass,
         )
     return gated_delta_rule_reference(
         q,

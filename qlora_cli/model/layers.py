@@ -34,6 +34,7 @@ from torch import nn
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig, ProjectionGroup
+from qlora_cli.model.planner import delta_rule_tokens_per_pass
 from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
 from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.attention import MAX_HEAD_DIM, attention
@@ -347,6 +348,7 @@ class DecoderLayer(nn.Module):
                 beta,
                 doc_ids,
                 output_final_state=cache is not None,
+                tokens_per_pass=delta_rule_tokens_per_pass(self.spec, b * s),
             )
             if cache is not None:
                 cache.keep_states(conv_input, final_state)

@@ -121,8 +121,8 @@ def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTIO
 
 
 def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
-    """What the delta rule's backward holds at its peak for one Gated DeltaNet layer
-    (kernels/delta_rule: _chunk_forward with store_states, then _chunk_backward's state pass),
+    """What the delta rule's backward holds at its peak for one pass over `tokens` of a Gated DeltaNet
+    layer (kernels/delta_rule: _chunk_forward with store_states, then _chunk_backward's state pass),
     per value head and token: in the tables' dtype the chunk solve and q·k tables (2 × CHUNK), w
     (Dk), the corrections and their gradient (2 Dv), and the states entering and the gradients
     leaving each chunk (2 Dk·Dv / CHUNK); in fp32 u (Dv), the state's dq, dk and dw (3 Dk), db and
@@ -135,6 +135,19 @@ def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
     return int(tokens * per_token)
 
 
+def mlp_slice_bytes(spec: ModelSpec, tokens: int) -> int:
+    """gate/up's output and its gradient for one slice of tokens (qlora_cli/model/sliced_mlp.py)."""
+    return 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size * BF16
+
+
+def delta_rule_tokens_per_pass(spec: ModelSpec, tokens: int) -> int:
+    """The most tokens whose delta-rule tables a Gated DeltaNet layer builds at once: as many as fit
+    in what the MLP's slice holds, since the two run one after the other in the layer's backward.
+    Whole rows, or spans of a long row, pass one after another (kernels/delta_rule)."""
+    per_token = delta_rule_backward_bytes(spec, CHUNK) / CHUNK
+    return max(CHUNK, int(mlp_slice_bytes(spec, tokens) // per_token))
+
+
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     """The most one layer's backward holds at once beside what every layer keeps.
 
@@ -144,15 +157,13 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
     shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks. A
     Gated DeltaNet layer's backward holds the delta rule's tables instead of the MLP's (the two run
-    one after the other), where they are larger (delta_rule_backward_bytes): within 1 % and 4 % of
-    the peaks measured at Qwen3.5-9B's shape (tests/test_memory.py).
+    one after the other), built in passes that fit in the same bytes (delta_rule_tokens_per_pass),
+    so the MLP's slice stands for both.
     """
     per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
-    mlp = 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size * BF16
     kinds = set(spec.layer_types)
     scratch = max(out * inp for kind in kinds for out, inp in spec.projection_shapes(kind).values())
-    delta_rule = delta_rule_backward_bytes(spec, tokens) if LINEAR_ATTENTION in kinds else 0
-    return int((tokens * per_token + scratch) * BF16) + max(mlp, delta_rule) + LOSS_WORKING
+    return int((tokens * per_token + scratch) * BF16) + mlp_slice_bytes(spec, tokens) + LOSS_WORKING
 
 
 def fixed_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
