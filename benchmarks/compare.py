@@ -1,11 +1,12 @@
 """qlora against HF transformers + PEFT + bitsandbytes (with and without Liger kernels) and Unsloth, same GPU, same run.
 
-Usage: python -m benchmarks.compare CHECKPOINT [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
+Usage: python -m benchmarks.compare CHECKPOINT|random:SHAPE[:LAYERS] [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,qlora-fp8,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
        [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--packed 512] [--json FILE]
 
 Each runner trains LoRA r=16 on every decoder linear of the same checkpoint (benchmarks/random_checkpoint.py
-writes one of any shape in benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama 3.1, Mistral Small), on the same
+writes one of any shape in benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama 3.1, Mistral Small; `random:SHAPE`
+has qlora's runners draw that shape's weights on the GPU instead, for shapes too large to write), on the same
 random batch, in its own process so peak memory is its own. For Qwen3.5 every linear is q/k/v/o, the MLP's,
 and the Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj; HF runs transformers' torch fallback of
 the delta rule and conv (without flash-linear-attention installed), Unsloth its own Qwen3.5 patching. `qlora` replays
@@ -36,12 +37,15 @@ import torch
 
 from benchmarks.bnb import load_nf4_model
 from benchmarks.output import add_json_option, write_json
+from benchmarks.random_checkpoint import random_tensors
+from benchmarks.shapes import model_config
 from qlora_cli.profiler.timing import measure
 from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, read_spec, spec_from_config
 
 # Liger's patch for each model_type (Qwen3.5 has none: the liger runner fails with that name).
 LIGER_PATCH = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "mistral"}
 
+RANDOM_BASE = "random:"
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16; MFU is reported against it
 
 
@@ -62,10 +66,29 @@ def model_flops_per_token(config: dict, seq: int) -> float:
     return 4 * (dense + spec.vocab_size * spec.hidden_size) + attention + delta_rule
 
 
+def base_config(checkpoint) -> dict:
+    """The checkpoint folder's config.json, or for `random:SHAPE[:LAYERS]` a benchmark shape's
+    (benchmarks/shapes.py), whose random weights qlora's runners draw on the GPU: nothing is written,
+    where the 27B alone would be 54 GB of bf16 on disk."""
+    checkpoint = str(checkpoint)
+    if checkpoint.startswith(RANDOM_BASE):
+        name, _, layers = checkpoint[len(RANDOM_BASE) :].partition(":")
+        return model_config(name, int(layers) if layers else None)
+    with open(f"{checkpoint}/config.json") as f:
+        return json.load(f)
+
+
 def lora_targets(checkpoint) -> list[str]:
     """Every decoder linear of the checkpoint's layers, as PEFT and Unsloth name them."""
-    spec = read_spec(checkpoint)
+    spec = spec_from_config(base_config(checkpoint))
     return sorted({name for kind in spec.layer_types for name in spec.projection_shapes(kind)})
+
+
+def _needs_folder(args, runner: str) -> None:
+    if args.checkpoint.startswith(RANDOM_BASE):
+        raise SystemExit(
+            f"{runner} loads a checkpoint folder; {args.checkpoint} is drawn by qlora's runners only"
+        )
 
 
 def _batch(vocab: int, args):
@@ -99,7 +122,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     from qlora_cli.train.graphs import GraphedLoss
     from qlora_cli.train.step import clear_gradients, micro_batch_backward
 
-    spec = read_spec(args.checkpoint)
+    spec = spec_from_config(base_config(args.checkpoint))
     setting = {"true": True, "false": False, "auto": "auto"}[args.checkpointing]
     offload_setting = {"true": True, "false": False, "auto": "auto"}[args.offload]
     lora = LoRAConfig(
@@ -109,13 +132,14 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     offload = offloads_activations(offload_setting, setting, spec, shape, args.device)
     recompute = layers_to_checkpoint(setting, spec, shape, offload=offload)
     start = time.perf_counter()
-    model = QLoRAModel.from_pretrained(
-        args.checkpoint,
-        lora=lora,
-        device=args.device,
-        checkpoint_layers=recompute,
-        offload_activations=offload,
-    ).train()
+    placement = dict(lora=lora, checkpoint_layers=recompute, offload_activations=offload)
+    if args.checkpoint.startswith(RANDOM_BASE):
+        model = QLoRAModel.on_device(spec, device=args.device, **placement)
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model.load_base(random_tensors(spec, device=args.device), quantize=True, dtype=dtype)
+    else:
+        model = QLoRAModel.from_pretrained(args.checkpoint, device=args.device, **placement)
+    model.train()
     if fp8:
         model.use_fp8()
     _sync(args.device)
@@ -145,6 +169,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
 
 
 def run_hf(args, liger: bool) -> dict:
+    _needs_folder(args, "HF+PEFT+bnb")
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if liger:
@@ -171,6 +196,7 @@ def run_hf(args, liger: bool) -> dict:
 
 
 def run_unsloth(args) -> dict:
+    _needs_folder(args, "Unsloth")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from unsloth import FastLanguageModel
@@ -286,8 +312,7 @@ def main() -> None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 2**30 / total))
         print("RESULT " + json.dumps(RUNNERS[args.worker](args)), flush=True)
         return
-    with open(f"{args.checkpoint}/config.json") as f:
-        config = json.load(f)
+    config = base_config(args.checkpoint)
     flops = model_flops_per_token(config, args.seq)
     results = {}
     for name in args.runners.split(","):

@@ -235,3 +235,19 @@ def test_every_recipe_reads_the_rows_and_tokenizer_the_recipe_benchmark_writes(t
         )
         assert code == 0, f"{config.name}: {err}"
         assert re.search(r"[1-9][\d,]* \(\d+%\)", out), f"{config.name} trains no token:\n{out}"
+
+
+def test_compare_draws_a_random_base_for_qlora_alone(tmp_path):
+    """`random:SHAPE:LAYERS` trains qlora's runner on weights drawn in memory, and the planner's
+    estimate comes with it; a runner that loads a folder says so in one line."""
+    command = [sys.executable, "-m", "benchmarks.compare", "random:qwen2.5-0.5b:1", "--device", "cpu"]
+    command += ["--runners", "qlora-eager,hf", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "0"]
+    out = tmp_path / "random.json"
+    command += ["--json", str(out)]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    refusal = "HF+PEFT+bnb loads a checkpoint folder; random:qwen2.5-0.5b:1 is drawn by qlora's runners only"
+    assert refusal in proc.stdout
+    runs = json.loads(out.read_text())["results"]
+    assert set(runs) == {"qlora-eager"}
+    assert 0 < runs["qlora-eager"]["loss"] < 20 and runs["qlora-eager"]["estimated_peak_gib"] > 0
