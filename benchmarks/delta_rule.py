@@ -150,13 +150,15 @@ def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
 
 
 def fla_chunk(chunk_gated_delta_rule: Callable, cu_seqlens: torch.Tensor | None) -> Callable:
-    """fla's call as Qwen3.5 makes it; packed rows go as one row with cu_seqlens, fla's layout."""
+    """fla's call as Qwen3.5 makes it; packed rows go as one row with cu_seqlens, fla's layout, and
+    come back in the rows' shape, which the gradient is drawn in."""
 
     def call(q, k, v, g, beta):
         if cu_seqlens is None:
             return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
         flat = [t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        return chunk_gated_delta_rule(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+        o = chunk_gated_delta_rule(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)[0]
+        return o.view(v.shape)
 
     return call
 

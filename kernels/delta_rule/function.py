@@ -86,7 +86,10 @@ def _continues(docs: torch.Tensor, start: int) -> torch.Tensor:
 
 class GatedDeltaRuleFunction(torch.autograd.Function):
     """Saves only the inputs and the state entering each span after a row's first: backward
-    recomputes the chunk tables and the per-chunk states, pass by pass (_passes), last span first."""
+    recomputes the chunk tables and the per-chunk states, pass by pass (_passes), last span first.
+    The forward takes whole rows at once: its tables live only while it runs, beside no MLP slice,
+    and a pass of fewer rows leaves SMs idle in the scan (1.38 against 0.80 ms at 4 x 2048 in two
+    passes, H200)."""
 
     @staticmethod
     def forward(
@@ -94,7 +97,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     ):
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         passes = _passes(v.shape[0], v.shape[1], tokens_per_pass)
-        if _single(passes):
+        if all(len(spans) == 1 for _, spans in passes):
             q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
             o, final, _ = _chunk_forward(
                 q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False
@@ -208,8 +211,9 @@ def gated_delta_rule(
     [B, Hv, Dk, Dv]) seeds each row's first document only. The final state, fp32 [B, Hv, Dk, Dv],
     is the state after each row's last token. scale defaults to Dk**-0.5; normalize_qk L2-normalises
     q and k first (transformers' l2norm). Dk and Dv up to 256, any size (padded to powers of two).
-    tokens_per_pass bounds the tokens whose chunk tables the Triton path builds at once, forward and
-    backward (their bytes grow with the tokens; the result does not change); None: all at once.
+    tokens_per_pass bounds the tokens whose chunk tables the Triton path's backward builds at once,
+    and its forward's for a row longer than that (their bytes grow with the tokens; the result does
+    not change); None: all at once.
     """
     _check(q, k, v, g, beta, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
