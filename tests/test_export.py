@@ -32,8 +32,8 @@ from qlora_cli.rundir.adapter import load_adapter_state
 from qlora_cli.rundir.checkpoint import read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 

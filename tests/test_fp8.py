@@ -11,7 +11,7 @@ from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.from_config import fp8_problem
 from qlora_cli.model.lora import LAYER_GROUPS
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 from qlora_kernels.fp8 import (
     E4M3_MAX,
     fp8_scales,

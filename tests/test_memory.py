@@ -78,7 +78,7 @@ MEASURED_PEAKS_GIB = [  # H200, every layer recomputed and offloaded (benchmarks
 
 def test_estimated_peak_is_within_ten_percent_of_the_measured_peaks():
     from benchmarks.shapes import qwen25_config
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.sources.model_config import spec_from_config
 
     for name, tokens, measured in MEASURED_PEAKS_GIB:
         spec = spec_from_config(qwen25_config(name))
@@ -95,7 +95,7 @@ MEASURED_HYBRID_PEAKS_GIB = [(4 * 2048, 7.11), (32768, 12.88)]
 def test_hybrid_estimate_is_within_five_percent_of_the_measured_peaks():
     """A Gated DeltaNet layer's backward holds the delta rule's tables or the MLP's slice, not both."""
     from benchmarks.shapes import model_config
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.sources.model_config import spec_from_config
 
     spec = spec_from_config(model_config("qwen3.5-9b", layers=8))
     targets = tuple(sorted({name for kind in spec.layer_types for name in spec.projection_shapes(kind)}))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.lora import LAYER_GROUPS, ProjectionGroup
-from qlora_cli.sources.weights import LINEAR_ATTENTION
+from qlora_cli.sources.spec import LINEAR_ATTENTION
 from qlora_kernels._dispatch import use_triton
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
 from qlora_kernels.nf4_matvec import nf4_matvec

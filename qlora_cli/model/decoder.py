@@ -22,7 +22,9 @@ from qlora_cli.model.layers import DecoderLayer, LayerCache, head_size_problem
 from qlora_cli.model.lora import PROJECTION_GROUP, LoRAConfig
 from qlora_cli.model.offload import HostOffloader, OffloadedLayer
 from qlora_cli.sources.hub import resolve_model
-from qlora_cli.sources.weights import ModelSpec, read_spec, stream_tensors
+from qlora_cli.sources.model_config import read_spec
+from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.weights import stream_tensors
 from qlora_kernels.cross_entropy import linear_cross_entropy
 from qlora_kernels.fp8 import fp8_scales
 from qlora_kernels.nf4 import quantize_nf4

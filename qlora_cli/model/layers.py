@@ -35,7 +35,7 @@ from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig, ProjectionGroup
 from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.attention import MAX_HEAD_DIM, attention
 from qlora_kernels.conv1d import causal_conv1d, causal_conv1d_step
 from qlora_kernels.delta_rule import gated_delta_rule, gated_delta_rule_step

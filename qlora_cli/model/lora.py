@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.fp8 import FP8Scales
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b

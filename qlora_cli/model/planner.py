@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig
 from qlora_cli.model.sliced_mlp import slice_tokens
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.delta_rule import CHUNK
 
 BF16 = 2

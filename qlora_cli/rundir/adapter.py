@@ -21,7 +21,7 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from qlora_cli.sources.weights import DECODER_PREFIX
+from qlora_cli.sources.spec import DECODER_PREFIX
 
 PREFIX = "base_model.model."
 LINEAR_ATTENTION_NORM = "linear_attn.norm"

@@ -26,9 +26,11 @@ from qlora_cli.rundir.base_model import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.run_tokenizer import run_tokenizer
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
+from qlora_cli.sources.weights import locate_tensors
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
 from qlora_cli.train.objectives import Objective, causal_lm
