@@ -163,11 +163,11 @@ def test_adapter_loads_in_peft_and_matches_our_model(run, tmp_path, reference_op
         decoder = f"base_model.model.{ours.spec.decoder_prefix}"
         full = ours.spec.layer_types.index("full_attention")
         loaded = peft_model.get_submodule(f"{decoder}layers.{full}.self_attn.k_norm").weight
-        assert torch.equal(loaded, ours.layers[full].k_norm.detach())
+        assert torch.equal(loaded, ours.layers[full].mixer.k_norm.detach())
         assert torch.equal(peft_model.get_submodule(f"{decoder}norm").weight, ours.norm.detach())
         if ours.spec.linear_attention is not None:
             loaded = peft_model.get_submodule(f"{decoder}layers.0.linear_attn.norm").weight
-            assert torch.equal(loaded, ours.layers[0].linear_norm.detach())
+            assert torch.equal(loaded, ours.layers[0].mixer.norm.detach())
 
 
 CHAT = [  # no system turn: qwen_25 then writes its default one, which the base's template lacks

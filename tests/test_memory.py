@@ -214,7 +214,7 @@ def test_frozen_and_trained_bytes_follow_each_layer_kind(tiny_qwen3_5):
     assert spec.layer_types == ("linear_attention", "full_attention")
     nf4 = [w for layer in model.layers for g in layer.projections.values() for w in g.weights]
     quantized = sum(w.packed.nbytes + w.absmax.nbytes + w.nested_absmax.nbytes for w in nf4)
-    state = sum(b.nbytes for b in model.layers[0].buffers()) + model.layers[0].linear_norm.nbytes
+    state = sum(b.nbytes for b in model.layers[0].buffers()) + model.layers[0].mixer.norm.nbytes
     embeddings = model.embed_tokens.nbytes + model.lm_head.nbytes
     # The planner counts absmax as 1/64 byte a weight, and leaves out the double quantization's fp32
     # absmax of the absmax.
