@@ -40,7 +40,8 @@ from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import random_tensors
 from benchmarks.shapes import model_config
 from qlora_cli.profiler.timing import measure
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, read_spec, spec_from_config
+from qlora_cli.sources.model_config import read_spec, spec_from_config
+from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION
 
 # Liger's patch for each model_type (Qwen3.5 has none: the liger runner fails with that name).
 LIGER_PATCH = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "mistral"}

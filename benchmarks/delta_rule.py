@@ -8,7 +8,7 @@ chunk_gated_delta_rule (the fla package where it imports, its backward refusing 
 3.7.1; else the copy Unsloth vendors in unsloth_zoo, which runs there) and of transformers'
 torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a single document and
 (ours and fla) packed with documents of 512 tokens, and ours in the passes Qwen3.5-9B's layers bound
-it to (qlora_cli/model/planner.py's delta_rule_tokens_per_pass).
+it to (qlora_cli/model/mixers/gated_deltanet.py's delta_rule_tokens_per_pass).
 Each `--variant` also times ours with some settings replaced: the scans' value columns per program
 (`columns`, default kernels/delta_rule/scan.py's _block_v), `warps` and software-pipelining `stages`, and the
 per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`).
@@ -61,8 +61,8 @@ def ours(
 def model_tokens_per_pass(tokens: int) -> int:
     """The bound Qwen3.5-9B's Gated DeltaNet layers put on a pass at this many tokens."""
     from benchmarks.shapes import model_config
-    from qlora_cli.model.planner import delta_rule_tokens_per_pass
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.model.mixers.gated_deltanet import delta_rule_tokens_per_pass
+    from qlora_cli.sources.model_config import spec_from_config
 
     return delta_rule_tokens_per_pass(spec_from_config(model_config("qwen3.5-9b")), tokens)
 

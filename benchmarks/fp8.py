@@ -29,9 +29,9 @@ import yaml
 
 from benchmarks.output import add_json_option, write_json
 from benchmarks.shapes import model_config
-from qlora_cli.model.lora import LAYER_GROUPS
+from qlora_cli.model.layers import layer_groups
 from qlora_cli.profiler.timing import measure
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 from qlora_kernels.fp8 import fp8_input_grad, fp8_linear, fp8_scales, nf4_to_e4m3, quantize_rows
 from qlora_kernels.linear import _stacked_weight
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
@@ -98,7 +98,7 @@ def projection_rows(shape: str, tokens: int) -> list[dict]:
     rows = []
     for kind in kinds:
         shapes = spec.projection_shapes(kind)
-        for group, names in LAYER_GROUPS[kind].items():
+        for group, names in layer_groups(kind).items():
             label = group if len(kinds) == 1 else f"{kind}.{group}"
             rows.append(_group_row(label, shapes, names, tokens))
             torch.cuda.empty_cache()

@@ -34,7 +34,7 @@ from triton.runtime.errors import OutOfResources
 from benchmarks.output import add_json_option, write_json
 from benchmarks.shapes import MODELS, model_config
 from qlora_cli.profiler.timing import measure
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 from qlora_kernels import attention as attention_module
 from qlora_kernels.attention import attention
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.shapes import MODELS, model_config
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "configs" / "demo" / "tiny-qwen3"
 SHARD_BYTES = 4 << 30

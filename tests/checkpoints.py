@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qlora_cli.sources.weights import ModelSpec
+from qlora_cli.sources.spec import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO_ROOT / "configs" / "demo" / "tiny-qwen3"

@@ -115,7 +115,7 @@ def test_compare_trains_every_linear_of_a_hybrid_model(tmp_path):
     from checkpoints import write_qwen3_5
 
     from benchmarks.compare import lora_targets, model_flops_per_token
-    from qlora_cli.sources.weights import read_spec
+    from qlora_cli.sources.model_config import read_spec
 
     checkpoint = write_qwen3_5(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
     assert lora_targets(checkpoint) == sorted(
@@ -159,7 +159,7 @@ def test_qwen3_5_27b_shape_has_the_published_tensors():
     tower's 333 (12 a block, 3 patch and position, 6 merger) and an MTP head's 15 (4 + one 11-tensor
     attention layer); the shapes below are from that listing."""
     from benchmarks.shapes import model_config
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.sources.model_config import spec_from_config
 
     tensors = spec_from_config(model_config("qwen3.5-27b")).expected_tensors()
     assert len(tensors) == 1199 - (27 * 12 + 3 + 6) - (4 + 11)
@@ -178,7 +178,7 @@ def test_llama_and_mistral_shapes_have_their_published_sizes():
     """Llama 3.1 8B has 8,030,261,248 parameters; Mistral Small 24B's attention is 32 x 128 = 4096 wide
     against a 5120 residual stream."""
     from benchmarks.shapes import model_config
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.sources.model_config import spec_from_config
 
     llama = spec_from_config(model_config("llama-3.1-8b")).expected_tensors()
     assert sum(torch.Size(shape).numel() for shape in llama.values()) == 8_030_261_248
@@ -190,7 +190,7 @@ def test_llama_and_mistral_shapes_have_their_published_sizes():
 def test_the_recipe_shapes_have_their_published_sizes():
     """Qwen3-0.6B 596,049,920 parameters (tied head), Qwen3-8B 8,190,735,360, Mistral-7B-v0.3 7,248,023,552."""
     from benchmarks.shapes import model_config
-    from qlora_cli.sources.weights import spec_from_config
+    from qlora_cli.sources.model_config import spec_from_config
 
     published = {"qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "mistral-7b": 7_248_023_552}
     for shape, parameters in published.items():

@@ -32,8 +32,8 @@ from qlora_cli.rundir.adapter import load_adapter_state
 from qlora_cli.rundir.checkpoint import read_checkpoint_config, save_checkpoint
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.chat_templates import choose_template
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
@@ -163,11 +163,11 @@ def test_adapter_loads_in_peft_and_matches_our_model(run, tmp_path, reference_op
         decoder = f"base_model.model.{ours.spec.decoder_prefix}"
         full = ours.spec.layer_types.index("full_attention")
         loaded = peft_model.get_submodule(f"{decoder}layers.{full}.self_attn.k_norm").weight
-        assert torch.equal(loaded, ours.layers[full].k_norm.detach())
+        assert torch.equal(loaded, ours.layers[full].mixer.k_norm.detach())
         assert torch.equal(peft_model.get_submodule(f"{decoder}norm").weight, ours.norm.detach())
         if ours.spec.linear_attention is not None:
             loaded = peft_model.get_submodule(f"{decoder}layers.0.linear_attn.norm").weight
-            assert torch.equal(loaded, ours.layers[0].linear_norm.detach())
+            assert torch.equal(loaded, ours.layers[0].mixer.norm.detach())
 
 
 CHAT = [  # no system turn: qwen_25 then writes its default one, which the base's template lacks

@@ -47,8 +47,8 @@ from qlora_cli.export.gguf.vocab import (
     TEKKEN_SPLIT,
     pre_tokenizer_name,
 )
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import read_spec
 from qlora_cli.train.loop import train
 
 gguf = pytest.importorskip("gguf")

@@ -22,7 +22,10 @@ from checkpoints import (
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.ops import HYBRID_ROWS, Op
+from qlora_cli.export.gguf.architectures import architecture
 from qlora_cli.model import QLoRAModel
+from qlora_cli.sources import families
+from qlora_cli.sources.families import Family
 from qlora_cli.train.loop import train
 from qlora_cli.train.run import build_run
 
@@ -188,3 +191,23 @@ def test_targets_naming_no_projection_of_the_model_are_one_line_before_its_weigh
         "error: config key 'lora_target_modules': in_proj_qkv, in_proj_z names no projection of this llama "
         "model; its layers have q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
     )
+
+
+def test_a_family_that_reuses_llamas_layers_is_one_row(tmp_path, monkeypatch):
+    """A new model_type with a row of its own, and nothing else, reads, loads and runs as Llama does:
+    the logits of transformers' Llama on the same weights."""
+    folder = write_llama(tmp_path / "model", attention_bias=True, mlp_bias=True)
+    theirs = load_transformers(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "test_llama"}))
+    with pytest.raises(QLoraError, match="model_type 'test_llama' is not supported"):
+        QLoRAModel.from_pretrained(folder)
+
+    row = Family(("test_llama",), "Test Llama", "LLAMA", reads_mlp_bias=True)
+    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES, row))
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    assert (ours.spec.model_type, ours.spec.attention_bias, ours.spec.mlp_bias) == ("test_llama", True, True)
+    assert architecture(ours.spec).arch == "LLAMA"
+    ids = torch.randint(0, ours.spec.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4

@@ -10,8 +10,8 @@ from checkpoints import write_qwen2
 from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.from_config import fp8_problem
-from qlora_cli.model.lora import LAYER_GROUPS
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.model.layers import layer_groups
+from qlora_cli.sources.model_config import spec_from_config
 from qlora_kernels.fp8 import (
     E4M3_MAX,
     fp8_scales,
@@ -270,7 +270,7 @@ def _family_groups():
         spec = spec_from_config(model_config(family))
         for kind in sorted(set(spec.layer_types)):
             shapes = spec.projection_shapes(kind)
-            for group, names in LAYER_GROUPS[kind].items():
+            for group, names in layer_groups(kind).items():
                 entry = GROUP_ENTRY.get(group, "lora_linear")
                 yield pytest.param(entry, [shapes[n] for n in names], id=f"{family}-{kind}-{group}")
 

@@ -18,7 +18,6 @@ from benchmarks.bnb import load_nf4_model
 from benchmarks.random_checkpoint import write_config_checkpoint
 from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.model.lora import PROJECTION_GROUP
 from qlora_cli.rundir.adapter import adapter_state_dict, trainable_tensors
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +92,7 @@ def _same_nf4_bytes(ours: QLoRAModel, theirs) -> int:
             continue
         module = name.removesuffix(".lora_A.weight")
         index, proj = int(module.split(".layers.")[1].split(".")[0]), module.rsplit(".", 1)[1]
-        group = ours.layers[index].projections[PROJECTION_GROUP[proj]]
+        group = ours.layers[index].projections[ours.layers[index].group_of[proj]]
         weight = group.weights[group.names.index(proj)]
         packed = theirs.get_submodule(module).base_layer.weight
         assert torch.equal(packed.data.reshape(-1), weight.packed), module

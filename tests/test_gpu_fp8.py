@@ -12,7 +12,7 @@ import qlora_kernels.linear
 from benchmarks.random_checkpoint import random_tensors
 from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 from qlora_cli.train.graphs import GraphedLoss
 from qlora_cli.train.step import micro_batch_backward
 from qlora_kernels.nf4 import dequantize_nf4_reference

@@ -10,6 +10,8 @@ from checkpoints import write_run
 import qlora_cli.model.lora as model_module
 from qlora_cli.config.loading import load_config
 from qlora_cli.data.examples import BatchPlan
+from qlora_cli.model.layers import layer_groups
+from qlora_cli.sources.spec import FULL_ATTENTION
 from qlora_cli.train.graphs import GraphedLoss, cuda_graph_blocker
 from qlora_cli.train.loop import train
 from qlora_cli.train.run import build_run
@@ -198,7 +200,7 @@ def test_a_padded_batch_draws_the_short_ones_dropout_masks(tmp_path, monkeypatch
         loss, _ = run.model.loss(batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids)
         loss.backward()
         results.append((float(loss.detach()), [p.grad.clone() for p in params]))
-    assert len(drawn[0]) == len(drawn[1]) == 2 * len(model_module.GROUPS) * len(run.model.layers)
+    assert len(drawn[0]) == len(drawn[1]) == 2 * len(layer_groups(FULL_ATTENTION)) * len(run.model.layers)
     for (salt, mask), (padded_salt, padded_mask) in zip(*drawn, strict=True):
         assert salt == padded_salt and torch.equal(padded_mask[:rows], mask), f"salt {salt}"
     (short_loss, short_grads), (padded_loss, padded_grads) = results

@@ -67,6 +67,9 @@ LAYERS = {
 }
 # The profiler's layers, bottom first: each may import only those before it.
 PROFILER_LAYERS = ("timing", "work", "lora", "recorder", "calibration", "report", "command")
+# The model's seams, bottom first: each module or subpackage may import, of the model, only those
+# before it. The mixers (one per layer kind) and the MLPs sit below the layer that runs them.
+MODEL_LAYERS = ("sizes", "modes", "sliced_mlp", "mixers", "mlps", "lora", "layers")
 
 
 def module_files(packages: dict[str, Path]) -> dict[str, Path]:
@@ -236,3 +239,14 @@ def test_the_profiler_is_in_layers():
     assert GRAPH["qlora_cli.profiler.timing"] == set()
     for bottom in ("qlora_cli.core.profiling", "qlora_cli.core.ops"):
         assert GRAPH[bottom] == set(), bottom
+
+
+def test_the_mixers_and_mlps_sit_below_the_layer():
+    """A mixer or an MLP knows the modes it runs in, never the layer, the decoder or another mixer's
+    users; the layer asks them, through the registry, what each kind is."""
+    for index, seam in enumerate(MODEL_LAYERS):
+        below = tuple(f"qlora_cli.model.{lower}" for lower in MODEL_LAYERS[:index])
+        name = f"qlora_cli.model.{seam}"
+        for module in (m for m in GRAPH if m == name or m.startswith(name + ".")):
+            ours = {m for m in GRAPH[module] if m.startswith("qlora_cli.model.") and not m.startswith(name)}
+            assert all(m.startswith(below) for m in ours), (module, ours)

@@ -46,7 +46,7 @@ from qlora_cli.rundir.folder import foreign_checkpoints, latest_checkpoint, owne
 from qlora_cli.rundir.names import LOCK_FILE, RUN_FILE
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.fingerprint import base_fingerprint, config_difference
-from qlora_cli.sources.weights import read_spec
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("reference_ops")

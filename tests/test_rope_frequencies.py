@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.sources.weights import spec_from_config
+from qlora_cli.sources.model_config import spec_from_config
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=1,
             vocab_size=32, max_position_embeddings=256)  # fmt: skip

@@ -8,7 +8,8 @@ from checkpoints import write_llama, write_mistral, write_qwen2, write_qwen3, wr
 from safetensors.torch import load_file, save_file
 
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.sources.weights import locate_tensors, read_spec, spec_from_config, stream_tensors
+from qlora_cli.sources.model_config import read_spec, spec_from_config
+from qlora_cli.sources.weights import locate_tensors, stream_tensors
 
 QWEN2_CONFIG = {
     "model_type": "qwen2",

@@ -19,9 +19,11 @@ class Op(str, Enum):
     GATE_UP_GEMM = "gate_up_gemm"
     SILU = "silu"
     DOWN_GEMM = "down_gemm"
-    # Qwen3.5's layers: its Gated DeltaNet layers' projections take the qkv_gemm and o_proj rows
-    # (in_proj_qkv/z/b/a, out_proj); the conv, the delta rule and the gates have rows of their own
-    # (gates: the decay and beta of the delta rule, the attention output gate, the gated RMSNorm).
+    # Qwen3.5's layers: its Gated DeltaNet layers' grouped input projection (in_proj_qkv/z/b/a), its
+    # output projection, the conv, the delta rule and the gates have rows of their own (gates: the decay
+    # and beta of the delta rule, the attention output gate, the gated RMSNorm).
+    IN_PROJ = "in_proj"
+    OUT_PROJ = "out_proj"
     CONV1D = "conv1d"
     DELTA_RULE = "delta_rule"
     GATES = "gates"
@@ -37,6 +39,8 @@ class Op(str, Enum):
     CONV1D_BWD = "conv1d_bwd"
     DELTA_RULE_BWD = "delta_rule_bwd"
     GATES_BWD = "gates_bwd"
+    IN_PROJ_BWD = "in_proj_bwd"
+    OUT_PROJ_BWD = "out_proj_bwd"
     # Outside the layers: ops the model times, regions the training step marks.
     EMBEDDING = "embedding"
     FINAL_NORM = "final_norm"
@@ -65,6 +69,8 @@ BACKWARD_ROW = {
     Op.GATE_UP_GEMM: Op.GATE_UP_BWD,
     Op.SILU: Op.SWIGLU_BWD,
     Op.DOWN_GEMM: Op.DOWN_BWD,
+    Op.IN_PROJ: Op.IN_PROJ_BWD,
+    Op.OUT_PROJ: Op.OUT_PROJ_BWD,
     Op.CONV1D: Op.CONV1D_BWD,
     Op.DELTA_RULE: Op.DELTA_RULE_BWD,
     Op.GATES: Op.GATES_BWD,
@@ -74,12 +80,14 @@ BACKWARD_ROW = {
 LAYER_FORWARD = (
     Op.RMSNORM_ATTN,
     Op.QKV_GEMM,
+    Op.IN_PROJ,
     Op.CONV1D,
     Op.ROPE,
     Op.ATTENTION,
     Op.DELTA_RULE,
     Op.GATES,
     Op.O_PROJ,
+    Op.OUT_PROJ,
     Op.RMSNORM_FFN,
     Op.GATE_UP_GEMM,
     Op.SILU,
@@ -90,26 +98,43 @@ LAYER_BACKWARD = (
     Op.SWIGLU_BWD,
     Op.GATE_UP_BWD,
     Op.O_PROJ_BWD,
+    Op.OUT_PROJ_BWD,
     Op.GATES_BWD,
     Op.DELTA_RULE_BWD,
     Op.ATTN_BWD,
     Op.ROPE_BWD,
     Op.CONV1D_BWD,
     Op.QKV_BWD,
+    Op.IN_PROJ_BWD,
     Op.NORM_BWD,
 )
 # Rows only Qwen3.5's layers fill: the table leaves them out of a run that never called them.
-HYBRID_ROWS = (Op.CONV1D, Op.DELTA_RULE, Op.GATES, Op.CONV1D_BWD, Op.DELTA_RULE_BWD, Op.GATES_BWD)
+HYBRID_ROWS = (
+    Op.IN_PROJ,
+    Op.OUT_PROJ,
+    Op.CONV1D,
+    Op.DELTA_RULE,
+    Op.GATES,
+    Op.IN_PROJ_BWD,
+    Op.OUT_PROJ_BWD,
+    Op.CONV1D_BWD,
+    Op.DELTA_RULE_BWD,
+    Op.GATES_BWD,
+)
 OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
 LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)
 # The rows whose FLOPs are the frozen projections' GEMMs: in FP8 under fp8: true.
 FROZEN_GEMM_ROWS = (
     Op.QKV_GEMM,
+    Op.IN_PROJ,
     Op.O_PROJ,
+    Op.OUT_PROJ,
     Op.GATE_UP_GEMM,
     Op.DOWN_GEMM,
     Op.QKV_BWD,
+    Op.IN_PROJ_BWD,
     Op.O_PROJ_BWD,
+    Op.OUT_PROJ_BWD,
     Op.GATE_UP_BWD,
     Op.DOWN_BWD,
 )

@@ -30,8 +30,8 @@ from qlora_cli.data import prompts
 from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list
 from qlora_cli.sources.hub import resolve_dataset, snapshot_commit
 from qlora_cli.sources.run_tokenizer import check_token_id, dataset_template
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import ModelSpec
 
 IGNORE_INDEX = -100
 

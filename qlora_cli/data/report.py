@@ -29,9 +29,9 @@ from qlora_cli.data.examples import (
 )
 from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.hub import resolve_tokenizer
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.run_tokenizer import run_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import read_spec
 
 TRAINED_STYLE = "bold green on grey15"
 

@@ -8,7 +8,7 @@ import torch
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.trainer_state import TrainerState
-from qlora_cli.sources.weights import TEXT_LAYOUT, VISION_LANGUAGE_LAYOUT
+from qlora_cli.sources.spec import TEXT_LAYOUT, VISION_LANGUAGE_LAYOUT
 
 # The class an adapter's names fit, by the base's layout: PEFT only warns on keys it cannot place, so
 # a vision-language base's adapter loaded onto the causal LM class would run without its LoRA.

@@ -31,7 +31,7 @@ from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STATE_FILE, names_a_checkpoint_folder
 from qlora_cli.rundir.trainer_state import is_checkpoint, read_trainer_state
 from qlora_cli.sources.hub import model_reference, resolve_model
-from qlora_cli.sources.weights import read_spec
+from qlora_cli.sources.model_config import read_spec
 
 BASES = ("original", "nf4")
 DEFAULT_BASE, DEFAULT_DTYPE, DEFAULT_SHARD_SIZE = "original", "bfloat16", "5GB"

@@ -14,7 +14,8 @@ from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.rundir.adapter import PREFIX
 from qlora_cli.rundir.names import STATE_FILE
 from qlora_cli.rundir.trainer_state import TrainerState
-from qlora_cli.sources.weights import ModelSpec, canonical_name, stream_checkpoint, stream_tensors
+from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.weights import canonical_name, stream_checkpoint, stream_tensors
 from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

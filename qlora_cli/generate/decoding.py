@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import DecoderLayer
-from qlora_cli.model.lora import LAYER_GROUPS, ProjectionGroup
-from qlora_cli.sources.weights import LINEAR_ATTENTION
+from qlora_cli.model.lora import ProjectionGroup
+from qlora_cli.model.modes import DecodeRows, PrefillRows
 from qlora_kernels._dispatch import use_triton
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
 from qlora_kernels.nf4_matvec import nf4_matvec
@@ -44,93 +44,16 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class KVCache:
-    """Generation's cache for `batch` rows, allocated once (a CUDA graph's replays reuse it): each
-    attention layer's keys and values [batch, kv_heads, capacity, head_dim], position p of a row
-    holding that row's token p, and each Gated DeltaNet layer's conv states [batch, conv_dim, K] (the
-    last K conv inputs, model dtype) and delta-rule states [batch, Hv, Dk, Dv] (fp32). A layer's
-    entries of the other kind are None."""
+    """Generation's cache for `batch` rows, allocated once (a CUDA graph's replays reuse it): each layer's
+    own, as its mixer keeps it (an attention layer's keys and values, a Gated DeltaNet layer's conv and
+    delta-rule states; qlora_cli/model/mixers/)."""
 
     def __init__(self, model: QLoRAModel, batch: int, capacity: int):
-        spec = model.spec
         device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
-        zeros = dict(dtype=dtype, device=device)
-        kv_shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
-        attention = [kind != LINEAR_ATTENTION for kind in spec.layer_types]
-        self.keys = [torch.zeros(kv_shape, **zeros) if a else None for a in attention]
-        self.values = [torch.zeros(kv_shape, **zeros) if a else None for a in attention]
-        self.conv_states = self.recurrent_states = [None] * len(attention)
-        if (linear := spec.linear_attention) is not None:
-            conv_shape = (batch, linear.conv_dim, linear.conv_kernel)
-            state_shape = (batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
-            self.conv_states = [None if a else torch.zeros(conv_shape, **zeros) for a in attention]
-            self.recurrent_states = [
-                None if a else torch.zeros(state_shape, dtype=torch.float32, device=device) for a in attention
-            ]
-        self.recurrent = not all(attention)
-        self.rows = torch.arange(batch, device=device)
+        self.layers = [layer.mixer.new_cache(batch, capacity, device, dtype) for layer in model.layers]
+        self.recurrent = any(layer.recurrent for layer in self.layers)
         self.slots = torch.arange(capacity, device=device)
         self.batch, self.capacity = batch, capacity
-
-    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k, v) -> None:
-        """k, v [..., kv_heads, head_dim] into (row, position) pairs, rows and positions shaped as k's
-        leading dims; no host synchronisation."""
-        self.keys[layer][rows, :, positions] = k
-        self.values[layer][rows, :, positions] = v
-
-
-class PrefillCache:
-    """An attention layer's cache in the prefill: stores the prompts' keys and values at their (row,
-    position); attention runs over the prompts themselves, as in training. `prompt_tokens` [rows, seq]
-    marks the pass's tokens that are the prompts' (not padding), in the order `rows` and `positions`
-    list them."""
-
-    decoding = False
-
-    def __init__(self, cache: KVCache, layer: int, prompt_tokens, rows, positions):
-        self.cache, self.layer, self.prompt_tokens = cache, layer, prompt_tokens
-        self.rows, self.positions = rows, positions
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kept = self.prompt_tokens
-        self.cache.write(self.layer, self.rows, self.positions, k[kept], v[kept])
-        return k, v
-
-
-class DecodeCache:
-    """An attention layer's cache in a decode step: stores each row's new key and value at its
-    position and hands back all of the layer's cached keys and values, `visible` marking each row's
-    so far."""
-
-    decoding = True
-
-    def __init__(self, cache: KVCache, layer: int, positions, visible, projections: DecodeProjections):
-        self.cache, self.layer, self.positions = cache, layer, positions
-        self.visible, self.projections = visible, projections
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.write(self.layer, self.cache.rows[:, None], self.positions, k, v)
-        return self.cache.keys[self.layer], self.cache.values[self.layer]
-
-
-class RecurrentCache:
-    """A Gated DeltaNet layer's cache (the linear half of qlora_cli.model.layers.LayerCache): views
-    of its rows' conv and delta-rule states. A decode step's kernels update them in place; a prefill
-    of right-aligned rows (`prompt_tokens` [rows, seq] marking the tokens that are not padding) sets
-    them to its own, as transformers' cache holds them: the last K conv inputs with zeros before the
-    prompt, and the state after the prompt's last token."""
-
-    def __init__(self, cache: KVCache, layer: int, rows: int, *, prompt_tokens=None, projections=None):
-        self.conv_state = cache.conv_states[layer][:rows]
-        self.recurrent_state = cache.recurrent_states[layer][:rows]
-        self.prompt_tokens, self.projections = prompt_tokens, projections
-        self.decoding = projections is not None
-
-    def keep_states(self, conv_input: torch.Tensor, recurrent_state: torch.Tensor) -> None:
-        width = self.conv_state.shape[-1]
-        last = conv_input[:, -width:] * self.prompt_tokens[:, -width:, None]
-        self.conv_state.zero_()
-        self.conv_state[:, :, width - last.shape[1] :] = last.transpose(1, 2)
-        self.recurrent_state.copy_(recurrent_state)
 
 
 class DecodeProjection:
@@ -178,26 +101,15 @@ class DecodeProjection:
 
 
 class DecodeProjections:
-    """A layer's projections in a decode step (the methods of qlora_cli.model.layers.Projections):
+    """A layer's projections in a decode step (the methods of qlora_cli.model.modes.Projections):
     each group a DecodeProjection, SwiGLU as torch's silu(gate) * up. LoRA dropout is off at
     inference, so the token offset places no mask."""
 
     def __init__(self, layer: DecoderLayer, dtype: torch.dtype):
-        self.groups = {
-            group: DecodeProjection(layer.projections[group], dtype) for group in LAYER_GROUPS[layer.kind]
-        }
+        self.groups = {name: DecodeProjection(group, dtype) for name, group in layer.projections.items()}
 
-    def qkv(self, h):
-        return self.groups["qkv"](h)
-
-    def o(self, attn):
-        return self.groups["o"](attn)
-
-    def in_proj(self, h):
-        return self.groups["in_proj"](h)
-
-    def out_proj(self, o):
-        return self.groups["out_proj"](o)
+    def run(self, op, group, x):
+        return self.groups[group](x)
 
     def gate_up(self, h, token_offset):
         return self.groups["gate_up"](h)
@@ -228,12 +140,8 @@ class Decoder:
         ids, positions, doc_ids, prompt_tokens, last = layout(prompts, self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         rows = torch.repeat_interleave(torch.arange(len(prompts), device=self.device), lengths)
-        caches = [
-            RecurrentCache(cache, index, len(prompts), prompt_tokens=prompt_tokens)
-            if layer.kind == LINEAR_ATTENTION
-            else PrefillCache(cache, index, prompt_tokens, rows, positions[prompt_tokens])
-            for index, layer in enumerate(self.model.layers)
-        ]
+        prefill = PrefillRows(len(prompts), prompt_tokens, rows, positions[prompt_tokens])
+        caches = [layer.prefill(prefill) for layer in cache.layers]
         hidden = self.model.hidden_states(ids, positions, doc_ids, caches)
         last = hidden.reshape(-1, hidden.shape[-1])[last]
         return (last @ self.model.lm_head.to(last.dtype).T).float()
@@ -246,16 +154,12 @@ class Decoder:
         if (window := self.model.spec.sliding_window) is not None:
             # The `window` latest keys, the new one included, as the prefill's attention sees them.
             visible &= cache.slots[None, :] > positions[:, None] - window
-        positions = positions[:, None]
+        rows = DecodeRows(positions[:, None], visible)
         caches = [
-            RecurrentCache(cache, index, cache.batch, projections=projections)
-            if layer.kind == LINEAR_ATTENTION
-            else DecodeCache(cache, index, positions, visible, projections)
-            for index, (layer, projections) in enumerate(
-                zip(self.model.layers, self.projections, strict=True)
-            )
+            layer.decode(rows, projections)
+            for layer, projections in zip(cache.layers, self.projections, strict=True)
         ]
-        h = self.model.hidden_states(tokens[:, None], positions, None, caches)[:, 0]
+        h = self.model.hidden_states(tokens[:, None], rows.positions, None, caches)[:, 0]
         return (h @ self.model.lm_head.to(h.dtype).T).float()
 
 

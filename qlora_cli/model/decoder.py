@@ -18,11 +18,14 @@ from torch.utils.checkpoint import checkpoint
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
-from qlora_cli.model.layers import DecoderLayer, LayerCache, head_size_problem
-from qlora_cli.model.lora import PROJECTION_GROUP, LoRAConfig
+from qlora_cli.model.layers import DecoderLayer, shape_problem
+from qlora_cli.model.lora import LoRAConfig
+from qlora_cli.model.modes import LayerCache
 from qlora_cli.model.offload import HostOffloader, OffloadedLayer
 from qlora_cli.sources.hub import resolve_model
-from qlora_cli.sources.weights import ModelSpec, read_spec, stream_tensors
+from qlora_cli.sources.model_config import read_spec
+from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.weights import stream_tensors
 from qlora_kernels.cross_entropy import linear_cross_entropy
 from qlora_kernels.fp8 import fp8_scales
 from qlora_kernels.nf4 import quantize_nf4
@@ -33,16 +36,6 @@ def rope_inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.
     """RoPE frequencies computed exactly as transformers does for the config's RoPE type
     (qlora_cli/sources/rope.py), so positions rotate identically."""
     return spec.rope_frequencies(device)[0]
-
-
-# A Gated DeltaNet layer's frozen tensors (below `linear_attn.`) -> the layer's attribute; the
-# conv's [C, 1, K] weight is kept as [C, K].
-LINEAR_ATTENTION_STATE = {
-    "conv1d": "conv_weight",
-    "A_log": "A_log",
-    "dt_bias": "dt_bias",
-    "norm": "linear_norm",
-}
 
 
 class QLoRAModel(nn.Module):
@@ -58,7 +51,7 @@ class QLoRAModel(nn.Module):
         offload_activations: bool = False,
     ):
         super().__init__()
-        if problem := head_size_problem(spec):
+        if problem := shape_problem(spec):
             raise QLoraError(problem)
         self.spec = spec
         self.offload_activations = offload_activations
@@ -155,15 +148,12 @@ class QLoRAModel(nn.Module):
             elif parts[3] in ("input_layernorm", "post_attention_layernorm"):
                 with torch.no_grad():
                     getattr(self.layers[int(parts[2])], parts[3]).copy_(tensor.float())
-            elif parts[4] in ("q_norm", "k_norm"):
-                with torch.no_grad():
-                    getattr(self.layers[int(parts[2])], parts[4]).copy_(tensor.float())
-            elif parts[4] in LINEAR_ATTENTION_STATE:
-                with torch.no_grad():
-                    target = getattr(self.layers[int(parts[2])], LINEAR_ATTENTION_STATE[parts[4]])
-                    target.copy_(tensor.float().reshape(target.shape))
             else:
-                group = self.layers[int(parts[2])].projections[PROJECTION_GROUP[parts[4]]]
+                layer = self.layers[int(parts[2])]
+                if parts[4] not in layer.group_of:
+                    layer.mixer.load(parts[4], tensor)
+                    continue
+                group = layer.projections[layer.group_of[parts[4]]]
                 if parts[-1] == "bias":
                     group.set_bias(parts[4], tensor.to(dtype))
                 else:

@@ -2,6 +2,7 @@
 
 A group is the projections that share one input (q/k/v, a Gated DeltaNet layer's four input
 projections, gate/up, or a single one); it runs as one fused call of qlora_kernels.linear, LoRA included.
+Each layer kind's mixer and the MLP name their groups (qlora_cli/model/mixers/, qlora_cli/model/mlps/).
 """
 
 from __future__ import annotations
@@ -13,27 +14,12 @@ import torch
 from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.model.mixers import MIXERS
+from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.fp8 import FP8Scales
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
 from qlora_kernels.nf4 import NF4Weight
-
-_MLP_GROUPS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-# The projection groups of each layer kind, in the order a layer runs them. A Gated DeltaNet layer's
-# four input projections share one input and run as one grouped NF4 call, as q/k/v do.
-LAYER_GROUPS = {
-    FULL_ATTENTION: {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), **_MLP_GROUPS},
-    LINEAR_ATTENTION: {
-        "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-        "out_proj": ("out_proj",),
-        **_MLP_GROUPS,
-    },
-}
-GROUPS = LAYER_GROUPS[FULL_ATTENTION]
-PROJECTION_GROUP = {
-    name: group for groups in LAYER_GROUPS.values() for group, names in groups.items() for name in names
-}
 
 
 @dataclass(frozen=True)
@@ -62,11 +48,7 @@ class LoRAConfig:
         for kind in spec.layer_types:
             total += self.lora_weights_per_layer(spec, kind)
             if self.train_norms:
-                if kind == LINEAR_ATTENTION:
-                    own_norms = spec.linear_attention.value_head_dim
-                else:
-                    own_norms = 2 * spec.head_dim if spec.qk_norm else 0
-                total += 2 * spec.hidden_size + own_norms
+                total += 2 * spec.hidden_size + MIXERS[kind].trained_norm_weights(spec)
         return total
 
 

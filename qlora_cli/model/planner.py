@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qlora_cli.model.lora import LAYER_GROUPS, LoRAConfig
-from qlora_cli.model.sliced_mlp import slice_tokens
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from qlora_kernels.delta_rule import CHUNK
+from qlora_cli.model.lora import LoRAConfig
+from qlora_cli.model.mixers import MIXERS
+from qlora_cli.model.sizes import BF16
+from qlora_cli.model.sliced_mlp import slice_working_bytes
+from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
 
-BF16 = 2
-FP32 = 4
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
+RERUN_ROWS = 6  # rows of hidden_size a layer's rerun holds beside its mixer's activations, fitted
 HOST_SHARE = 0.5  # at most this share of the host's available memory is pinned for offloading
 
 
@@ -34,51 +34,19 @@ class RunShape:
 
 def frozen_weight_bytes(spec: ModelSpec) -> int:
     """NF4 projections (half a byte a weight plus about 1/64 byte of absmax) of each layer's kind, bf16
-    embeddings, and a Gated DeltaNet layer's fp32 conv weight, A_log, dt_bias and norm."""
+    embeddings, and what each layer's mixer holds beside (a Gated DeltaNet layer's fp32 conv weight,
+    A_log, dt_bias and norm)."""
     weights = sum(
         out * inp for kind in spec.layer_types for out, inp in spec.projection_shapes(kind).values()
     )
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    linear_state = 0
-    if spec.linear_attention is not None:
-        linear = spec.linear_attention
-        per_layer = linear.conv_dim * linear.conv_kernel + 2 * linear.num_value_heads + linear.value_head_dim
-        linear_state = per_layer * spec.layer_types.count(LINEAR_ATTENTION) * FP32
-    return int(weights * (0.5 + 1 / 64)) + embeddings * BF16 + linear_state
+    mixer_state = sum(MIXERS[kind].frozen_state_bytes(spec) for kind in spec.layer_types)
+    return int(weights * (0.5 + 1 / 64)) + embeddings * BF16 + mixer_state
 
 
 def trainable_state_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
     """The trained weights in fp32, their gradients and two AdamW moments."""
     return lora.trained_weights(spec) * 4 * 4
-
-
-def _group_outputs(spec: ModelSpec, kind: str, group: str) -> int:
-    shapes = spec.projection_shapes(kind)
-    return sum(shapes[name][0] for name in LAYER_GROUPS[kind][group])
-
-
-def _mixer_activations(spec: ModelSpec, kind: str) -> int:
-    """Values a token keeps between the layer's first norm and its second for backward (bf16 units)."""
-    if kind == LINEAR_ATTENTION:
-        linear = spec.linear_attention
-        return (
-            _group_outputs(
-                spec, kind, "in_proj"
-            )  # in_proj's output [qkv | z | b | a]: the conv keeps its qkv, the gated norm its z
-            + linear.conv_dim  # the conv's output: the delta rule keeps its q, k and v
-            + 6 * linear.num_value_heads  # the decay g and the fp32 steps that made it, beta
-            + linear.value_dim  # the delta rule's output, which the gated norm keeps
-            + linear.value_dim  # z as the gated norm keeps it, a copy in rows of heads
-            + linear.value_dim  # the gated norm's output, out_proj's input
-        )
-    gate = spec.q_size if spec.attention_output_gate else 0
-    return (
-        _group_outputs(spec, kind, "qkv")  # projected q (and its output gate), k, v
-        + spec.q_size
-        + spec.kv_size  # rotated q and k
-        + spec.q_size  # attention output
-        + gate  # the gated attention output, o_proj's input
-    )
 
 
 def kept_activation_bytes(
@@ -93,12 +61,12 @@ def kept_activation_bytes(
     """
     per_token = (
         3 * spec.hidden_size  # layer input, residual, normed input
-        + _mixer_activations(spec, kind)
+        + MIXERS[kind].kept_activations(spec)
         + 2 * spec.hidden_size  # residual after the mixer, normed
         + 2 * spec.intermediate_size  # gate/up
     )
     if lora_dropout:
-        mixer_output_input = spec.linear_attention.value_dim if kind == LINEAR_ATTENTION else spec.q_size
+        mixer_output_input = MIXERS[kind].output_input_width(spec)
         per_token += 2 * spec.hidden_size + mixer_output_input + 2 * spec.intermediate_size
     return tokens * per_token * BF16
 
@@ -120,50 +88,28 @@ def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTIO
     return activations + shape.lora.lora_weights_per_layer(spec, kind) * BF16
 
 
-def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
-    """What the delta rule's backward holds at its peak for one pass over `tokens` of a Gated DeltaNet
-    layer (kernels/delta_rule: _chunk_forward with store_states, then _chunk_backward's state pass),
-    per value head and token: in the tables' dtype the chunk solve and q·k tables (2 × CHUNK), w
-    (Dk), the corrections and their gradient (2 Dv), and the states entering and the gradients
-    leaving each chunk (2 Dk·Dv / CHUNK); in fp32 u (Dv), the state's dq, dk and dw (3 Dk), db and
-    the cumulative log-decay; and the normalised q and k per key head."""
-    linear = spec.linear_attention
-    k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
-    tables = 2 * CHUNK + k_dim + 2 * v_dim + 2 * k_dim * v_dim / CHUNK
-    per_value_head = tables * BF16 + (v_dim + 3 * k_dim + 2) * FP32
-    per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim * BF16
-    return int(tokens * per_token)
-
-
-def mlp_slice_bytes(spec: ModelSpec, tokens: int) -> int:
-    """gate/up's output and its gradient for one slice of tokens (qlora_cli/model/sliced_mlp.py)."""
-    return 4 * slice_tokens(tokens, spec.intermediate_size) * spec.intermediate_size * BF16
-
-
-def delta_rule_tokens_per_pass(spec: ModelSpec, tokens: int) -> int:
-    """The most tokens whose delta-rule tables a Gated DeltaNet layer builds at once: as many as fit
-    in what the MLP's slice holds, since the two run one after the other in the layer's backward.
-    Whole rows, or spans of a long row, pass one after another (kernels/delta_rule)."""
-    per_token = delta_rule_backward_bytes(spec, CHUNK) / CHUNK
-    return max(CHUNK, int(mlp_slice_bytes(spec, tokens) // per_token))
-
-
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     """The most one layer's backward holds at once beside what every layer keeps.
 
     Fitted to peaks measured on an H200 at Qwen2.5-7B (8K, 16K and 32K tokens) and checked at
-    1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's activations and their gradients come to 9.5 rows of
-    hidden_size a token; the MLP holds gate/up's output and its gradient (4 × intermediate_size)
+    1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's
+    activations and their gradients come to its mixer's kept activations and 6 rows of hidden_size a
+    token (9.5 rows at Qwen2.5-7B, whose attention keeps 3.4; a Gated DeltaNet mixer keeps 8 at
+    Qwen3.5-9B); the MLP holds gate/up's output and its gradient (4 × intermediate_size)
     for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
     shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks. A
     Gated DeltaNet layer's backward holds the delta rule's tables instead of the MLP's (the two run
-    one after the other), built in passes that fit in the same bytes (delta_rule_tokens_per_pass),
-    so the MLP's slice stands for both.
+    one after the other), built in passes that fit in the MLP's bytes (the mixer's
+    backward_working_bytes): within 5 % of the peaks measured at Qwen3.5-9B's shape
+    (tests/test_memory.py).
     """
-    per_token = 9.5 * spec.hidden_size + (2 * spec.hidden_size if offload else 0)
     kinds = set(spec.layer_types)
+    rerun = RERUN_ROWS * spec.hidden_size + max(MIXERS[kind].kept_activations(spec) for kind in kinds)
+    per_token = rerun + (2 * spec.hidden_size if offload else 0)
+    mlp = slice_working_bytes(tokens, spec.intermediate_size)
     scratch = max(out * inp for kind in kinds for out, inp in spec.projection_shapes(kind).values())
-    return int((tokens * per_token + scratch) * BF16) + mlp_slice_bytes(spec, tokens) + LOSS_WORKING
+    mixer = max(MIXERS[kind].backward_working_bytes(spec, tokens) for kind in kinds)
+    return int((tokens * per_token + scratch) * BF16) + max(mlp, mixer) + LOSS_WORKING
 
 
 def fixed_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:

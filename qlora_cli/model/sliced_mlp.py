@@ -31,6 +31,12 @@ def slice_tokens(tokens: int, intermediate_size: int, element_bytes: int = 2) ->
     return math.ceil(tokens / slices / SLICE_MULTIPLE) * SLICE_MULTIPLE
 
 
+def slice_working_bytes(tokens: int, intermediate_size: int, element_bytes: int = 2) -> int:
+    """What one slice holds in backward: gate/up's output and its gradient (4 × intermediate_size a
+    token)."""
+    return 4 * slice_tokens(tokens, intermediate_size, element_bytes) * intermediate_size * element_bytes
+
+
 class SlicedMLP(torch.autograd.Function):
     """`mlp(part, start)` applied to `slice_tokens` tokens at a time; see the module docstring. `start`
     is the slice's first token in the row, so LoRA dropout draws the whole MLP's mask for it."""

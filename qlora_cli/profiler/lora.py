@@ -23,6 +23,8 @@ from qlora_kernels.swiglu import lora_swiglu
 GROUP_ROWS = {
     "qkv": (Op.QKV_GEMM, Op.QKV_BWD),
     "o": (Op.O_PROJ, Op.O_PROJ_BWD),
+    "in_proj": (Op.IN_PROJ, Op.IN_PROJ_BWD),
+    "out_proj": (Op.OUT_PROJ, Op.OUT_PROJ_BWD),
     "gate_up": (Op.GATE_UP_GEMM, Op.GATE_UP_BWD),
     "down": (Op.DOWN_GEMM, Op.DOWN_BWD),
     "swiglu": (Op.SILU, Op.SWIGLU_BWD),

@@ -118,7 +118,7 @@ NOTES = (
     "hold forward and backward together",
 )
 LORA_SECTION = "LoRA, inside the gemm and SwiGLU rows"
-GEMM_ROWS = "qkv_gemm, o_proj, gate_up_gemm, silu, down_gemm and their backward rows"
+GEMM_ROWS = "qkv_gemm, in_proj, o_proj, out_proj, gate_up_gemm, silu, down_gemm and their backward rows"
 
 
 def build_report(

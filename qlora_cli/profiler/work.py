@@ -126,6 +126,8 @@ def optimizer_work(tensors: Iterable[torch.Tensor]) -> Work:
 WORK_MODELS: dict[Op, Callable[..., Work]] = {
     Op.QKV_GEMM: gemm_work,
     Op.O_PROJ: gemm_work,
+    Op.IN_PROJ: gemm_work,
+    Op.OUT_PROJ: gemm_work,
     Op.GATE_UP_GEMM: gemm_work,
     Op.DOWN_GEMM: gemm_work,
     Op.ATTENTION: attention_work,

@@ -19,18 +19,12 @@ from safetensors.torch import load_file
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.names import ALL_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS
+from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.model.mixers import MIXERS
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from qlora_cli.sources.weights import DECODER_PREFIX
+from qlora_cli.sources.spec import DECODER_PREFIX
 
 PREFIX = "base_model.model."
-LINEAR_ATTENTION_NORM = "linear_attn.norm"
-
-
-def _module_path(proj: str) -> str:
-    if proj in LINEAR_ATTENTION_PROJECTIONS:
-        return "linear_attn." + proj
-    return ("self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + proj
 
 
 def trainable_tensors(model) -> dict[str, torch.Tensor]:
@@ -41,16 +35,15 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
         base = f"{decoder}layers.{index}."
         for group in layer.projections.values():
             for proj, a in group.lora_A.items():
-                named[f"{base}{_module_path(proj)}.lora_A.weight"] = a
-                named[f"{base}{_module_path(proj)}.lora_B.weight"] = group.lora_B[proj]
+                module = f"{base}{layer.module_of[proj]}.{proj}"
+                named[f"{module}.lora_A.weight"] = a
+                named[f"{module}.lora_B.weight"] = group.lora_B[proj]
         if model.lora is not None and model.lora.train_norms:
             named[f"{base}input_layernorm.weight"] = layer.input_layernorm
             named[f"{base}post_attention_layernorm.weight"] = layer.post_attention_layernorm
-            if layer.q_norm is not None:
-                named[f"{base}self_attn.q_norm.weight"] = layer.q_norm
-                named[f"{base}self_attn.k_norm.weight"] = layer.k_norm
-            if hasattr(layer, "linear_norm"):
-                named[f"{base}{LINEAR_ATTENTION_NORM}.weight"] = layer.linear_norm
+            mixer = layer.mixer
+            for norm, weight in mixer.trained_norms().items():
+                named[f"{base}{mixer.checkpoint_module}.{norm}.weight"] = weight
     if model.lora is not None and model.lora.train_norms:
         named[f"{decoder}norm.weight"] = model.norm
     return named
@@ -71,10 +64,8 @@ def norm_module_names(model) -> list[str]:
     if model.lora is None or not model.lora.train_norms:
         return []
     names = ["input_layernorm", "post_attention_layernorm", model.spec.decoder_prefix + "norm"]
-    if model.spec.qk_norm:
-        names += ["q_norm", "k_norm"]
-    if model.spec.linear_attention is not None:
-        names.append(LINEAR_ATTENTION_NORM)
+    for mixer in MIXERS.values():
+        names += mixer.adapter_norms(model.spec)
     return names
 
 
@@ -127,9 +118,7 @@ NORM_MODULES = {
     "post_attention_layernorm",
     "norm",
     *(prefix + "norm" for prefix in DECODER_PREFIX.values()),
-    "q_norm",
-    "k_norm",
-    LINEAR_ATTENTION_NORM,
+    *(norm for mixer in MIXERS.values() for norm in mixer.norm_modules),
 }
 
 

@@ -45,7 +45,7 @@ from qlora_cli.rundir.names import (
     WRITE_PROBE_PREFIX,
 )
 from qlora_cli.rundir.trainer_state import is_checkpoint, read_trainer_state
-from qlora_cli.sources.weights import ModelSpec
+from qlora_cli.sources.spec import ModelSpec
 
 # A checkpoint holds the adapter, two AdamW moments of the same size, and small JSON/YAML files.
 CHECKPOINT_ADAPTER_COPIES = 3

@@ -20,8 +20,10 @@ import json
 from pathlib import Path
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.model_config import read_spec
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import FILES_READ
-from qlora_cli.sources.weights import ModelSpec, read_spec, shard_files
+from qlora_cli.sources.weights import shard_files
 
 # Names how the digests were taken: a record made another way cannot be compared, only re-made.
 METHOD = "safetensors header + first and last 4 KiB of each tensor, SHA-256"

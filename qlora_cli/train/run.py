@@ -19,16 +19,18 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import compute_dtype, fp8_problem, lora_config, select_device
-from qlora_cli.model.layers import head_size_problem
+from qlora_cli.model.layers import shape_problem
 from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.base_model import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
 from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.run_tokenizer import run_tokenizer
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
-from qlora_cli.sources.weights import ModelSpec, locate_tensors, read_spec
+from qlora_cli.sources.weights import locate_tensors
 from qlora_cli.train.distributed import Distributed
 from qlora_cli.train.graphs import GraphedLoss, graphed_loss_for
 from qlora_cli.train.objectives import Objective, causal_lm
@@ -118,7 +120,7 @@ def build_run(
         check_free_space(Path(config.output_dir), space_needed(spec, config))
     config = portable_config(config, folder)
     check_sequence_len(config, spec)
-    if problem := head_size_problem(spec):
+    if problem := shape_problem(spec):
         raise QLoraError(problem)
     tokenizer = run_tokenizer(folder, config)
     notes = list(config.notes)

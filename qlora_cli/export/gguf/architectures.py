@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.families import family
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
-from qlora_cli.sources.weights import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 
 ROPE_FREQS = "rope_freqs.weight"
 _DEFAULT_ROPE = RopeScaling()
@@ -168,15 +169,5 @@ def _add_rope_scaling(writer, gguf, spec: ModelSpec, arch: str) -> None:
             writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
 
 
-_GGUF_ARCHITECTURES = {
-    "qwen2": "QWEN2",
-    "qwen3": "QWEN3",
-    "qwen3_5": "QWEN35",
-    "qwen3_5_text": "QWEN35",
-    "llama": "LLAMA",
-    "mistral": "LLAMA",
-}
-
-
 def architecture(spec: ModelSpec) -> Architecture:
-    return Architecture(_GGUF_ARCHITECTURES[spec.model_type], spec)
+    return Architecture(family(spec.model_type, "--gguf").gguf_architecture, spec)

@@ -19,7 +19,7 @@ import torch
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.gguf.architectures import Architecture, architecture
 from qlora_cli.export.gguf.vocab import TOKENIZER_MODEL, Vocabulary
-from qlora_cli.sources.weights import ModelSpec
+from qlora_cli.sources.spec import ModelSpec
 
 GGUF_TYPES = ("bf16", "f16", "q8_0")
 DEFAULT_GGUF_TYPE = "bf16"

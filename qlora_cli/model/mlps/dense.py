@@ -1,0 +1,41 @@
+"""The dense SwiGLU MLP: gate/up projection → SwiGLU → down projection, over slices of tokens when the
+row is long (qlora_cli/model/sliced_mlp.py). The mode's projections run each op (qlora_cli/model/modes.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qlora_cli.model.modes import Projections
+from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
+from qlora_cli.sources.spec import ModelSpec
+
+
+class DenseMLP(nn.Module):
+    """The MLP of every family's layers. It holds no weights: its projection groups sit with the layer's
+    others, in `DecoderLayer.projections`."""
+
+    groups = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+    checkpoint_module = "mlp"
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+
+    def forward(self, h, project: Projections, layer):
+        """`layer` is the DecoderLayer it runs in: its projection groups and its recompute state."""
+        tokens = h.numel() // h.shape[-1]
+        per_slice = slice_tokens(tokens, self.intermediate_size, h.element_size())
+        if per_slice == tokens:
+            return self._whole(h, project)
+        mlp = [layer.projections[group] for group in self.groups]
+        trainables = [p for group in mlp for p in group.parameters() if p.requires_grad]
+
+        def mlp_slice(part, token_offset):
+            return self._whole(part, project, token_offset)
+
+        return SlicedMLP.apply(mlp_slice, layer.recomputation, layer.recomputing, per_slice, h, *trainables)
+
+    @staticmethod
+    def _whole(h, project: Projections, token_offset=0):
+        gate_up = project.gate_up(h, token_offset)
+        return project.down(project.swiglu(gate_up), token_offset)

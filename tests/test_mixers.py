@@ -1,0 +1,85 @@
+"""The layer-kind seam: a mixer registered for a kind is all a decoder layer needs to run that kind."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_cli.core.ops import Op
+from qlora_cli.model import LoRAConfig
+from qlora_cli.model.layers import DecoderLayer
+from qlora_cli.model.mixers import MIXERS
+from qlora_cli.sources.spec import ModelSpec
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
+
+class ScaledProjection(nn.Module):
+    """A mixer no family has: the input scaled per channel by a trained weight, through o_proj."""
+
+    groups = {"o": ("o_proj",)}
+    checkpoint_module = "self_attn"
+
+    def __init__(self, spec, trainable_norms, attention_backend):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((spec.hidden_size,), 0.5))
+
+    def forward(self, h, position_ids, doc_ids, inv_freq, project, cache):
+        return project.run(Op.O_PROJ, "o", h * self.scale)
+
+
+def _rms_norm(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_a_layer_kind_plugs_in_through_the_mixer_registry(monkeypatch):
+    """A spec naming an unknown kind and the registry's mixer for it, nothing else: the layer runs it
+    between its norms and the MLP, forward and backward, LoRA on its projection trained."""
+    monkeypatch.setitem(MIXERS, "scaled_projection", ScaledProjection)
+    spec = ModelSpec(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        dtype=torch.float32,
+        layer_types=("scaled_projection",),
+    )
+    lora = LoRAConfig(r=4, target_modules=("o_proj",))
+    layer = DecoderLayer(spec, lora, "auto")
+    assert list(layer.projections) == ["o", "gate_up", "down"]
+    generator = torch.Generator().manual_seed(0)
+    shapes, weights = spec.projection_shapes("scaled_projection"), {}
+    for group in layer.projections.values():
+        for name in group.names:
+            weights[name] = 0.1 * torch.randn(shapes[name], generator=generator)
+            group.set_weight(name, weights[name])
+        group.reset_lora(generator)
+    o = layer.projections["o"]
+    with torch.no_grad():
+        o.lora_B["o_proj"].normal_(0.0, 0.1, generator=generator)
+    x = torch.randn(2, 5, spec.hidden_size, generator=generator, requires_grad=True)
+    positions = torch.arange(5).expand(2, 5)
+    out, residual = layer(x, None, positions, None, spec.rope_frequencies()[0])
+
+    eps = spec.rms_norm_eps
+    scaled = _rms_norm(x, eps) * layer.mixer.scale
+    lora_a, lora_b = o.lora_A["o_proj"], o.lora_B["o_proj"]
+    mixed = scaled @ weights["o_proj"].T + o.scaling * (scaled @ lora_a.T) @ lora_b.T
+    h = _rms_norm(x + mixed, eps)
+    mlp = (F.silu(h @ weights["gate_proj"].T) * (h @ weights["up_proj"].T)) @ weights["down_proj"].T
+    torch.testing.assert_close(residual, x + mixed)
+    torch.testing.assert_close(out, mlp)
+
+    (out + residual).square().sum().backward()
+    trained = [layer.mixer.scale, lora_a, lora_b, x]
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in trained)
