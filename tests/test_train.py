@@ -35,7 +35,6 @@ from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
 from qlora_cli.train.schedule import learning_rate
 from qlora_cli.train.step import evaluate, optimizer_step, train_step
-from qlora_kernels.cross_entropy import linear_document_logprobs
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,8 +252,7 @@ def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
 def first_documents_nll(model, input_ids, labels, position_ids, doc_ids):
     """A test-only objective: minus the summed log-probs of each row's first document alone, counted
     over that document's trained tokens."""
-    hidden = model.hidden_states(input_ids, position_ids, doc_ids)
-    logprobs = linear_document_logprobs(hidden, model.lm_head, labels, doc_ids)
+    logprobs = model.document_log_probs(input_ids, labels, position_ids, doc_ids)
     first = (doc_ids != doc_ids[:, :1]).cumsum(1) == 0
     return -logprobs[:, 0].sum(), ((labels != -100) & first).sum()
 

@@ -2,11 +2,13 @@
 
 The model: embedding → the layers (qlora_cli/model/layers.py) → final RMSNorm → lm_head, with the
 checkpointing and host offload the planner chose, and the loading of a checkpoint's weights.
-Training calls `loss`; generation calls `hidden_states` with a cache for each layer.
+Training calls `loss` (a preference objective `document_log_probs`, and for its reference model
+`adapter_off`); generation calls `hidden_states` with a cache for each layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from qlora_cli.sources.hub import resolve_model
 from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.weights import stream_tensors
-from qlora_kernels.cross_entropy import linear_cross_entropy
+from qlora_kernels.cross_entropy import linear_cross_entropy, linear_document_logprobs
 from qlora_kernels.fp8 import fp8_scales
 from qlora_kernels.nf4 import quantize_nf4
 from qlora_kernels.rmsnorm import add_rms_norm
@@ -70,11 +72,26 @@ class QLoRAModel(nn.Module):
         # (qlora_cli/train/distributed.py). A buffer so that `model.to(device)` moves it; not persistent:
         # it is no state, each micro-batch sets it.
         self.register_buffer("dropout_seed", torch.zeros(1, dtype=torch.int64), persistent=False)
+        # 1.0 with the adapter on, 0.0 off (adapter_off): a device value, so that a captured CUDA graph
+        # that runs the model both ways (a preference loss's policy and reference) reads the switch.
+        self.register_buffer("adapter_scale", torch.ones(()), persistent=False)
 
     def set_dropout_seed(self, seed: int) -> None:
         """The seed of the next micro-batch's LoRA dropout masks, written on the device in place, so
         that a captured CUDA graph reads it too. Training sets one per micro-batch (qlora_cli/train/step.py)."""
         self.dropout_seed.fill_(seed)
+
+    @contextlib.contextmanager
+    def adapter_off(self):
+        """The base model inside the block: LoRA's contribution multiplied by 0 through `adapter_scale`,
+        set in place and restored from a device copy, so nothing reads back to the host and a CUDA
+        graph can capture the switch and its restoring."""
+        previous = self.adapter_scale.clone()
+        self.adapter_scale.zero_()
+        try:
+            yield
+        finally:
+            self.adapter_scale.copy_(previous)
 
     @classmethod
     def on_device(
@@ -87,6 +104,7 @@ class QLoRAModel(nn.Module):
         model.to_empty(device=device)
         model.inv_freq = rope_inv_freq(spec, device)
         model.dropout_seed.zero_()
+        model.adapter_scale.fill_(1.0)
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in model.layers:
             for group in layer.projections.values():
@@ -209,6 +227,7 @@ class QLoRAModel(nn.Module):
                     doc_ids,
                     self.inv_freq,
                     self.dropout_seed,
+                    self.adapter_scale,
                     use_reentrant=False,
                     context_fn=layer.checkpoint_contexts,
                     # LoRA dropout, a layer's only random op, repeats its masks from dropout_seed; no
@@ -218,7 +237,14 @@ class QLoRAModel(nn.Module):
             else:
                 cache = None if caches is None else caches[i]
                 x, residual = layer(
-                    x, residual, position_ids, doc_ids, self.inv_freq, self.dropout_seed, cache=cache
+                    x,
+                    residual,
+                    position_ids,
+                    doc_ids,
+                    self.inv_freq,
+                    self.dropout_seed,
+                    self.adapter_scale,
+                    cache=cache,
                 )
         h, _ = timed(
             Op.FINAL_NORM,
@@ -238,7 +264,7 @@ class QLoRAModel(nn.Module):
         layer = self.layers[index]
 
         def run_layer(x):
-            return layer(x, None, position_ids, doc_ids, self.inv_freq, self.dropout_seed)
+            return layer(x, None, position_ids, doc_ids, self.inv_freq, self.dropout_seed, self.adapter_scale)
 
         trainables = [p for p in layer.parameters() if p.requires_grad]
         return OffloadedLayer.apply(
@@ -249,6 +275,13 @@ class QLoRAModel(nn.Module):
         """Logits [batch, seq, vocab]; training uses `loss`, which never builds them."""
         h = self.hidden_states(input_ids, position_ids, doc_ids)
         return (h @ self.lm_head.to(h.dtype).T).float()
+
+    def document_log_probs(self, input_ids, labels, position_ids=None, doc_ids=None) -> torch.Tensor:
+        """fp32 [batch, seq]: [b, d] sums the trained labels' log-probs of row b's d-th document (the
+        layout of qlora_kernels.cross_entropy.linear_document_logprobs), what a preference loss compares;
+        labels are already shifted. Like `loss`, it never builds the logits."""
+        h = self.hidden_states(input_ids, position_ids, doc_ids)
+        return timed(Op.LM_HEAD_LOSS, linear_document_logprobs, h, self.lm_head, labels, doc_ids)
 
     def loss(self, input_ids, labels, position_ids=None, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of token losses, count of trained tokens); labels are already shifted."""

@@ -61,21 +61,26 @@ class FusedProjections:
     down's GEMM is skipped: nothing reads the layer's output there.
     """
 
-    def __init__(self, layer: DecoderLayer, dropout_seed: torch.Tensor | None):
+    def __init__(
+        self, layer: DecoderLayer, dropout_seed: torch.Tensor | None, adapter_scale: torch.Tensor | None
+    ):
         self.layer = layer
         self.groups = layer.projections
         self.dropout_seed = dropout_seed
+        self.adapter_scale = adapter_scale
         down = self.groups["down"]
-        self.down_a = down.lora_A.get("down_proj")
-        self.fuse_down = self.down_a is not None and not (down.dropout and layer.training)
+        self.fuse_down = "down_proj" in down.lora_A and not (down.dropout and layer.training)
+        # SwiGLU forms down's t from this A, so the adapter switch reaches down's LoRA through it.
+        self.down_a = down.lora_a_list(adapter_scale)[0] if self.fuse_down else None
 
     def run(self, op, group, x):
-        return timed(op, self.groups[group], x, dropout_seed=self.dropout_seed)
+        switch = dict(dropout_seed=self.dropout_seed, adapter_scale=self.adapter_scale)
+        return timed(op, self.groups[group], x, **switch)
 
     def gate_up(self, h, token_offset):
         group = self.groups["gate_up"]
         dropout = dict(dropout_seed=self.dropout_seed, token_offset=token_offset)
-        return timed(Op.GATE_UP_GEMM, group, h, keep_lora_t=True, **dropout)
+        return timed(Op.GATE_UP_GEMM, group, h, keep_lora_t=True, adapter_scale=self.adapter_scale, **dropout)
 
     def swiglu(self, gate_up):
         gate_up_out, gate_up_t = gate_up
@@ -88,7 +93,7 @@ class FusedProjections:
             group.lora_B.get("gate_proj"),
             group.lora_B.get("up_proj"),
             group.scaling,
-            self.down_a if self.fuse_down else None,
+            self.down_a,
             need_output=not (self.layer.recomputing and self.fuse_down),
         )
 
@@ -98,7 +103,8 @@ class FusedProjections:
         if self.fuse_down:
             return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, lora_t=down_t)
         dropout = dict(dropout_seed=self.dropout_seed, token_offset=token_offset)
-        return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, **dropout)
+        switch = dict(adapter_scale=self.adapter_scale)
+        return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, **dropout, **switch)
 
 
 class DecoderLayer(nn.Module):
@@ -157,14 +163,16 @@ class DecoderLayer(nn.Module):
         doc_ids,
         inv_freq,
         dropout_seed=None,
+        adapter_scale=None,
         cache: LayerCache | None = None,
     ):
         """(x, residual) [batch, seq, hidden] in and out. `cache` is None in training; in generation
         it keeps this layer's keys and values (or conv and recurrent states), and a decode step's
-        cache brings the decode kernels."""
+        cache brings the decode kernels, with LoRA folded in as it was when the cache was made.
+        `adapter_scale`, a 0-d tensor, multiplies LoRA's contribution (QLoRAModel.adapter_off)."""
         eps, zero_centred = self.spec.rms_norm_eps, self.spec.zero_centred_norms
         decoding = cache is not None and cache.decoding
-        project = cache.projections if decoding else FusedProjections(self, dropout_seed)
+        project = cache.projections if decoding else FusedProjections(self, dropout_seed, adapter_scale)
         norm = dict(zero_centred=zero_centred)
         h, residual = timed(Op.RMSNORM_ATTN, add_rms_norm, x, residual, self.input_layernorm, eps, **norm)
         x = self.mixer(h, position_ids, doc_ids, inv_freq, project, cache)

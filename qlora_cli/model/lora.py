@@ -97,8 +97,14 @@ class ProjectionGroup(nn.Module):
             with torch.no_grad():
                 b.zero_()
 
-    def lora_a_list(self) -> list[torch.Tensor | None]:
-        return [self.lora_A.get(n) for n in self.names]
+    def lora_a_list(self, adapter_scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """The A's in projection order, times `adapter_scale` when given: the model's adapter switch
+        (QLoRAModel.adapter_off) reaches every LoRA product through A, since the kernels take `scaling`
+        as a Python number, which a captured CUDA graph would keep. Times 1.0 leaves A's bits as they are."""
+        a_list = [self.lora_A.get(n) for n in self.names]
+        if adapter_scale is None:
+            return a_list
+        return [None if a is None else a * adapter_scale for a in a_list]
 
     def scratch_numel(self) -> int:
         return buffer_numel(self.weights, self.lora_a_list())
@@ -118,10 +124,12 @@ class ProjectionGroup(nn.Module):
         lora_t: torch.Tensor | None = None,
         dropout_seed: torch.Tensor | None = None,
         token_offset: int = 0,
+        adapter_scale: torch.Tensor | None = None,
     ):
         """The projections with LoRA. keep_lora_t: return (y without LoRA's B, t = lora_x @ A^T)
-        for the next op to finish; lora_t: start from that t instead of x @ A^T. With dropout,
-        `dropout_seed` draws the mask; x's first token is token `token_offset` of the micro-batch."""
+        for the next op to finish; lora_t: start from that t instead of x @ A^T (whoever formed it
+        applied the adapter switch). With dropout, `dropout_seed` draws the mask; x's first token is
+        token `token_offset` of the micro-batch. `adapter_scale` multiplies LoRA's contribution."""
         lora_x = x
         if self.dropout and self.training:
             if dropout_seed is None:
@@ -130,7 +138,14 @@ class ProjectionGroup(nn.Module):
         lora_b = [self.lora_B.get(n) for n in self.names]
         if keep_lora_t:
             return lora_linear_a(
-                x, self.weights, self.biases, self.lora_a_list(), lora_x, self.scratch, need_output, self.fp8
+                x,
+                self.weights,
+                self.biases,
+                self.lora_a_list(adapter_scale),
+                lora_x,
+                self.scratch,
+                need_output,
+                self.fp8,
             )
         if lora_t is not None:
             return lora_linear_b(
@@ -148,7 +163,7 @@ class ProjectionGroup(nn.Module):
             x,
             self.weights,
             self.biases,
-            self.lora_a_list(),
+            self.lora_a_list(adapter_scale),
             lora_b,
             self.scaling,
             lora_x=lora_x,

@@ -1,9 +1,10 @@
 """What a training step minimises: an objective, given the model and one micro-batch's tensors.
 
 The step, its CUDA graph and DDP's module (train/distributed.py, LossModule) reach the model through
-the run's objective and never call its loss themselves, so another objective (a preference loss over
-documents' log-probs, qlora_kernels.cross_entropy.linear_document_logprobs) trains through the same
-step, graphs and ranks. The step divides what an objective returns by the trained tokens of the
+the run's objective and never call its loss themselves, so another objective trains through the same
+step, graphs and ranks. A preference loss asks the model for each document's summed label log-probs
+(QLoRAModel.document_log_probs), and for the reference model's under `with model.adapter_off():`, a
+switch held on the device that a captured graph replays both ways. The step divides what an objective returns by the trained tokens of the
 whole accumulated batch. A graphed run captures the objective, which must then keep its shapes fixed
 and never read a device value back to the host.
 """
