@@ -83,18 +83,29 @@ def test_demo_loss_falls_and_files_are_written(tmp_path, monkeypatch):
     ]
 
 
+def _is_switch(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
+
+
 class _WeightProducts(TorchFunctionMode):
     """Every product `x @ w` whose 2-D `w` requires grad: on the CPU references, LoRA's A and B
     (the frozen weights and the lm_head need none). Keeps x and, once backward reaches the product,
     the gradient g of its output: w's gradient is x^T g, a sum over tokens of x[t] g[t]."""
 
     MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+    MULTIPLIES = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__)
 
     def __init__(self):
         super().__init__()
         self.products: list[dict] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.MULTIPLIES and _is_switch(args[1]) and args[0].requires_grad:
+            # LoRA's A times the adapter switch (QLoRAModel.adapter_scale), on here: A itself. The
+            # product would save the switch, which the step's backward frees; a view of A saves
+            # nothing, so the magnitudes below can differentiate the graph from A again.
+            assert args[1].item() == 1.0
+            return args[0].view_as(args[0])
         out = func(*args, **(kwargs or {}))
         if func in self.MATMULS and args[1].dim() == 2 and args[1].requires_grad:
             product = {"x": args[0].detach().clone(), "w": args[1]}
