@@ -74,8 +74,9 @@ class FusedProjections:
         self.down_a = down.lora_a_list(adapter_scale)[0] if self.fuse_down else None
 
     def run(self, op, group, x):
-        switch = dict(dropout_seed=self.dropout_seed, adapter_scale=self.adapter_scale)
-        return timed(op, self.groups[group], x, **switch)
+        return timed(
+            op, self.groups[group], x, dropout_seed=self.dropout_seed, adapter_scale=self.adapter_scale
+        )
 
     def gate_up(self, h, token_offset):
         group = self.groups["gate_up"]
@@ -103,8 +104,10 @@ class FusedProjections:
         if self.fuse_down:
             return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, lora_t=down_t)
         dropout = dict(dropout_seed=self.dropout_seed, token_offset=token_offset)
-        switch = dict(adapter_scale=self.adapter_scale)
-        return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, **dropout, **switch)
+        switch = self.adapter_scale
+        return timed(
+            Op.DOWN_GEMM, group, activation, need_output=need_output, adapter_scale=switch, **dropout
+        )
 
 
 class DecoderLayer(nn.Module):
