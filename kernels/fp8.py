@@ -27,11 +27,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, interpreting, use_triton
+from qlora_kernels.formats import frozen_format
 from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_absmax_reference, dequantize_nf4_reference
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from qlora_kernels.nf4 import decode_nf4_bytes, load_block_absmax
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -68,10 +71,8 @@ def fp8_shape_error(weights: Sequence[object]) -> str | None:
     in_features = weights[0].shape[1]
     rows = sum(w.shape[0] for w in weights)
     for weight in weights:
-        if not isinstance(weight, NF4Weight):
-            return "FP8 products need NF4 weights"
-        if in_features % weight.blocksize:
-            return f"{in_features} inputs do not split into NF4 blocks of {weight.blocksize}"
+        if error := frozen_format(weight).fp8_problem(weight, in_features):
+            return error
     if in_features % GEMM_MULTIPLE or rows % GEMM_MULTIPLE:
         return f"FP8 GEMMs need sizes in multiples of {GEMM_MULTIPLE}, this group is {rows} x {in_features}"
     return None
@@ -194,26 +195,6 @@ if TRITON_AVAILABLE:
                 tl.store(q_row + offsets, _to_e4m3_tile(values * inverse, ROUND_FIRST), mask=mask)
 
     @triton.jit
-    def _block_absmax(
-        absmax_ptr,
-        nested_absmax_ptr,
-        dynamic_map_ptr,
-        blocks,
-        mask,
-        offset,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-    ):
-        """fp32 absmax of each block index in `blocks` (any shape), as kernels.nf4 rebuilds it."""
-        if DOUBLE_QUANT:
-            code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
-            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-            absmax = tl.load(dynamic_map_ptr + code) * nested + offset
-        else:
-            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
-        return absmax
-
-    @triton.jit
     def _nf4_to_e4m3_rows_kernel(
         packed_ptr,
         absmax_ptr,
@@ -235,22 +216,20 @@ if TRITON_AVAILABLE:
         reciprocal of its output channel's scale."""
         blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
         mask = blocks < blocks_total
-        absmax = _block_absmax(
+        absmax = load_block_absmax(
             absmax_ptr,
             nested_absmax_ptr,
             dynamic_map_ptr,
+            offset,
             blocks,
             mask,
-            offset,
             NESTED_BLOCKSIZE,
             DOUBLE_QUANT,
         )
         inverse = tl.load(inverse_ptr + blocks // blocks_per_row, mask=mask, other=0.0)[:, None]
         byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
         packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, None], other=0).to(tl.int32)
-        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
-        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
-        values = tl.interleave(high * inverse, low * inverse)
+        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr) * inverse
         offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
         tl.store(out_ptr + offsets, _to_e4m3_tile(values, ROUND_FIRST), mask=mask[:, None])
 
@@ -282,13 +261,13 @@ if TRITON_AVAILABLE:
         row_mask = row < rows
         mask = row_mask[:, None] & (block_column < blocks_per_row)[None, :]
         blocks = row[:, None] * blocks_per_row + block_column[None, :]
-        absmax = _block_absmax(
+        absmax = load_block_absmax(
             absmax_ptr,
             nested_absmax_ptr,
             dynamic_map_ptr,
+            offset,
             blocks,
             mask,
-            offset,
             NESTED_BLOCKSIZE,
             DOUBLE_QUANT,
         )
@@ -297,9 +276,10 @@ if TRITON_AVAILABLE:
             packed_ptr + blocks[:, :, None] * (BLOCKSIZE // 2) + half, mask=mask[:, :, None], other=0
         )
         packed = packed.to(tl.int32)
-        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, :, None]
-        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, :, None]
-        values = tl.reshape(tl.interleave(high, low), (ROWS_PER_PROGRAM, BLOCKS_PER_PROGRAM * BLOCKSIZE))
+        values = tl.reshape(
+            decode_nf4_bytes(packed, absmax[:, :, None], code_ptr),
+            (ROWS_PER_PROGRAM, BLOCKS_PER_PROGRAM * BLOCKSIZE),
+        )
         columns = tl.program_id(1).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCKSIZE) + tl.arange(
             0, BLOCKS_PER_PROGRAM * BLOCKSIZE
         )

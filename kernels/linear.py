@@ -1,4 +1,5 @@
-"""Frozen projections (NF4 or plain) plus LoRA, fused for projections that share one input.
+"""Frozen projections (NF4, plain, or any kernels.formats format) plus LoRA, fused for projections
+that share one input.
 
 One call computes, for P projections side by side (P=3 fused QKV, P=2 gate/up, P=1 o/down):
 
@@ -22,7 +23,7 @@ as extra columns, dY @ [W | B] gives dX and g = dY @ B in one GEMM, so nothing o
 outlives a call. Inside a 7B training step on an H200 that beat separate dX and g GEMMs, for
 which cuBLAS picked a slower kernel at down's shape (benchmarks/RESULTS.md). A checkpoint
 recompute can skip the GEMM (`need_output=False`): backward needs only x and t. The only Triton
-kernel on this path is the NF4 dequantize in kernels.nf4; the GEMMs are cuBLAS through torch, so
+kernel on this path is the weights' dequantize (kernels.nf4's for NF4); the GEMMs are cuBLAS through torch, so
 this module has none of its own. With a group's FP8 scales (kernels.fp8) the frozen products, forward
 and dX, are e4m3 GEMMs instead, and B is never an extra column: LoRA stays in x.dtype.
 
@@ -31,15 +32,12 @@ master weights are cast to x.dtype for the matmuls and get their gradients back 
 """
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
 from qlora_kernels._dispatch import use_triton
+from qlora_kernels.formats import FrozenWeight, frozen_format
 from qlora_kernels.fp8 import FP8Scales, fp8_input_grad, fp8_linear
-from qlora_kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference
-
-FrozenWeight = NF4Weight | torch.Tensor
 
 
 def _out_features(weight: FrozenWeight) -> int:
@@ -55,13 +53,13 @@ def _total_rank(lora_a: Sequence[torch.Tensor | None]) -> int:
 
 
 def _takes_extra_columns(weights: Sequence[FrozenWeight]) -> bool:
-    """NF4 dequantizes into rows wider than the weight only when its rows are whole blocks."""
-    return all(not isinstance(w, NF4Weight) or _in_features(w) % w.blocksize == 0 for w in weights)
+    """Whether every weight can dequantize into rows wider than itself (its format says)."""
+    return all(frozen_format(w).fills_row_views(w) for w in weights)
 
 
 def _lora_layout(weights: Sequence[FrozenWeight], fp8: FP8Scales | None) -> str:
-    """B as extra "columns" of a wide projection, when its NF4 rows are whole blocks; else "added".
-    FP8 products keep B out of the e4m3 GEMM: LoRA stays in the compute dtype."""
+    """B as extra "columns" of a wide projection, when its frozen weights can dequantize into wider
+    rows; else "added". FP8 products keep B out of the e4m3 GEMM: LoRA stays in the compute dtype."""
     wide = sum(_out_features(w) for w in weights) >= 2 * _in_features(weights[0])
     return "columns" if wide and fp8 is None and _takes_extra_columns(weights) else "added"
 
@@ -88,9 +86,8 @@ def lora_linear_reference(
     lora_x = x if lora_x is None else lora_x
     outputs = []
     for weight, bias, a, b in zip(weights, biases, lora_a, lora_b, strict=True):
-        if isinstance(weight, NF4Weight):
-            weight = dequantize_nf4_reference(replace(weight, dtype=x.dtype))
-        y = torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        weight = frozen_format(weight).dequantize_reference(weight, x.dtype)
+        y = torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
         if a is not None:
             y = y + scaling * ((lora_x @ a.to(x.dtype).T) @ b.to(x.dtype).T)
         outputs.append(y)
@@ -132,13 +129,9 @@ def _stacked_weight(
     `extra_columns` (B, [sum(out), ranks]) beside it. A single plain weight already in `dtype`
     with nothing beside it is used as it is."""
     first = weights[0]
-    if (
-        extra_columns is None
-        and len(weights) == 1
-        and isinstance(first, torch.Tensor)
-        and first.dtype == dtype
-    ):
-        return first
+    dense = frozen_format(first).dense_view(first, dtype)
+    if extra_columns is None and len(weights) == 1 and dense is not None:
+        return dense
     in_features = _in_features(first)
     rows = sum(_out_features(w) for w in weights)
     shape = (rows, in_features + (0 if extra_columns is None else extra_columns.shape[1]))
@@ -154,10 +147,7 @@ def _stacked_weight(
     start = 0
     for weight in weights:
         block = stacked[start : start + _out_features(weight), :in_features]
-        if isinstance(weight, NF4Weight):
-            dequantize_nf4(replace(weight, dtype=dtype), out=block)
-        else:
-            block.copy_(weight)
+        frozen_format(weight).dequantize(weight, dtype, out=block)
         start += _out_features(weight)
     if extra_columns is not None:
         stacked[:, in_features:].copy_(extra_columns)

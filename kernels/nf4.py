@@ -297,6 +297,40 @@ def dequantize_nf4_reference(weight: NF4Weight) -> torch.Tensor:
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def decode_nested_absmax(absmax_code, nested, dynamic_map_ptr, offset):
+        """Double-quantized block absmaxes from their loaded codes and nested absmaxes:
+        dynamic_map[code] * nested + offset, the order bitsandbytes rounds in."""
+        return tl.load(dynamic_map_ptr + absmax_code.to(tl.int32)) * nested + offset
+
+    @triton.jit
+    def load_block_absmax(
+        absmax_ptr,
+        nested_absmax_ptr,
+        dynamic_map_ptr,
+        offset,
+        blocks,
+        mask,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+    ):
+        """fp32 absmax of each block index in `blocks` (any shape): rebuilt when double-quantized,
+        else as stored. Every NF4 kernel reads absmaxes through here."""
+        if DOUBLE_QUANT:
+            absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0)
+            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+            return decode_nested_absmax(absmax_code, nested, dynamic_map_ptr, offset)
+        else:
+            return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
+
+    @triton.jit
+    def decode_nf4_bytes(packed, absmax, code_ptr):
+        """Values of int32 `packed` bytes, high nibble first: code * absmax in fp32, `absmax`
+        broadcast against the bytes. Every NF4 kernel that forms weight values does it here."""
+        high = tl.load(code_ptr + (packed >> 4)) * absmax
+        low = tl.load(code_ptr + (packed & 0xF)) * absmax
+        return tl.interleave(high, low)
+
+    @triton.jit
     def _quantize_nf4_kernel(
         weight_ptr,
         midpoints_ptr,
@@ -348,18 +382,20 @@ if TRITON_AVAILABLE:
         """
         blocks = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
         block_mask = blocks * BLOCKSIZE < numel
-        if DOUBLE_QUANT:
-            absmax_code = tl.load(absmax_ptr + blocks, mask=block_mask, other=0).to(tl.int32)
-            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0)
-            absmax = tl.load(dynamic_map_ptr + absmax_code) * nested + offset
-        else:
-            absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
+        absmax = load_block_absmax(
+            absmax_ptr,
+            nested_absmax_ptr,
+            dynamic_map_ptr,
+            offset,
+            blocks,
+            block_mask,
+            NESTED_BLOCKSIZE,
+            DOUBLE_QUANT,
+        )
         byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
         byte_mask = byte_offsets < (numel + 1) // 2
         packed = tl.load(packed_ptr + byte_offsets, mask=byte_mask, other=0).to(tl.int32)
-        high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
-        low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
-        values = tl.interleave(high, low)
+        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr)
         offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
         if STRIDED_ROWS:
             first = blocks * BLOCKSIZE

@@ -28,19 +28,20 @@ There is no autograd Function: decoding is inference only, nothing flows back th
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
-from qlora_kernels.nf4 import NF4Weight, _tables, dequantize_nf4, dequantize_nf4_reference
+from qlora_kernels.formats import FrozenWeight, frozen_format
+from qlora_kernels.nf4 import NF4Weight, _tables
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-FrozenWeight = NF4Weight | torch.Tensor
+    from qlora_kernels.nf4 import decode_nested_absmax, decode_nf4_bytes, load_block_absmax
 
 
 # ----------------------------------------------------------------------------- reference
@@ -60,9 +61,8 @@ def nf4_matvec_reference(
     """[M, K] x P weights [N_p, K] -> [M, sum N_p] in x.dtype, weights in x.dtype, fp32 sums."""
     outputs = []
     for weight, bias in zip(weights, _biases_or_none(biases, len(weights)), strict=True):
-        if isinstance(weight, NF4Weight):
-            weight = dequantize_nf4_reference(replace(weight, dtype=x.dtype))
-        y = x.float() @ weight.to(x.dtype).float().T
+        weight = frozen_format(weight).dequantize_reference(weight, x.dtype)
+        y = x.float() @ weight.float().T
         if bias is not None:
             y = y + bias.float()
         outputs.append(y.to(x.dtype))
@@ -74,25 +74,6 @@ def nf4_matvec_reference(
 
 # Defined only where triton is installed; without it use_triton() is False and the reference runs.
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _block_absmax(
-        absmax_ptr,
-        nested_ptr,
-        dynamic_map_ptr,
-        offset,
-        blocks,
-        mask,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-    ):
-        """fp32 absmax of quantization blocks `blocks`: dynamic_map[code] * nested + offset, or as stored."""
-        if DOUBLE_QUANT:
-            code = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
-            nested = tl.load(nested_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-            return tl.load(dynamic_map_ptr + code) * nested + offset
-        else:
-            return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
 
     @triton.jit
     def _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -130,14 +111,12 @@ if TRITON_AVAILABLE:
         """
         if ALIGNED:
             blocks, mask = _tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
-            absmax = _block_absmax(
+            absmax = load_block_absmax(
                 absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
             )
             byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
             packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
-            high = tl.load(code_ptr + (packed >> 4))
-            low = tl.load(code_ptr + (packed & 0xF))
-            values = tl.interleave(high, low) * absmax[:, :, None]
+            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr)
             return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
         else:
             ks = k_start + tl.arange(0, BLOCK_K)
@@ -145,7 +124,7 @@ if TRITON_AVAILABLE:
             flat = rows[:, None] * K + ks[None, :]
             packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
             codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
-            absmax = _block_absmax(
+            absmax = load_block_absmax(
                 absmax_ptr,
                 nested_ptr,
                 dynamic_map_ptr,
@@ -208,7 +187,7 @@ if TRITON_AVAILABLE:
         table read and one fma, which keeps batch 1 bound by memory, not by instructions.
         """
         if DOUBLE_QUANT:
-            absmax = tl.load(dynamic_map_ptr + absmax.to(tl.int32)) * nested + offset
+            absmax = decode_nested_absmax(absmax, nested, dynamic_map_ptr, offset)
         packed = packed.to(tl.int32)
         x_high, x_low = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2, 2)))
         high = tl.load(code_ptr + (packed >> 4)) * x_high[None, :, :]
@@ -440,7 +419,7 @@ def _nf4_matvec_triton(
     column = 0
     for index, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
         n = weight.shape[0]
-        plain = not isinstance(weight, NF4Weight)
+        plain = not frozen_format(weight).quantized
         if plain:
             if weight.stride(1) != 1:
                 weight = weight.contiguous()
@@ -493,15 +472,12 @@ def _nf4_matvec_triton(
 def _plain_matvec(
     x: torch.Tensor, weights: Sequence[FrozenWeight], biases: Sequence[torch.Tensor | None]
 ) -> torch.Tensor:
-    """Weights in x.dtype through torch's matmul (fp32 accumulation inside it); NF4 weights are
-    dequantized first, one at a time, so at most one matrix is held at x.dtype."""
+    """Weights in x.dtype through torch's matmul (fp32 accumulation inside it); quantized weights
+    are dequantized first, one at a time, so at most one matrix is held at x.dtype."""
     outputs = []
     for weight, bias in zip(weights, biases, strict=True):
-        if isinstance(weight, NF4Weight):
-            weight = dequantize_nf4(replace(weight, dtype=x.dtype))
-        outputs.append(
-            torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        )
+        weight = frozen_format(weight).dequantize(weight, x.dtype)
+        outputs.append(torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype)))
     return torch.cat(outputs, dim=-1)
 
 
@@ -525,20 +501,21 @@ def nf4_matvec(
 ) -> torch.Tensor:
     """x [..., K] times each weight, outputs side by side: [..., sum N_p] in x.dtype.
 
-    One row of a group with an NF4 weight takes the Triton kernel. A group with no NF4 weight
-    (quantization off) goes to torch's matmul (cuBLAS GEMV), which reads plain weights as fast as
-    the kernel could; several rows dequantize and multiply (see the module docstring).
+    One row of a group with a quantized weight takes the Triton kernel when every weight's format
+    lets it read the weight as stored. A group with no quantized weight (quantization off) goes to
+    torch's matmul (cuBLAS GEMV), which reads plain weights as fast as the kernel could; several
+    rows, or a format the kernel cannot read, dequantize and multiply (see the module docstring).
     """
     _check_arguments(x, weights, biases)
     rows = x.reshape(-1, x.shape[-1])
     biases = _biases_or_none(biases, len(weights))
     if rows.shape[0] == 0:
         out = rows.new_empty(0, sum(w.shape[0] for w in weights))
-    elif not any(isinstance(w, NF4Weight) for w in weights):
+    elif not any(frozen_format(w).quantized for w in weights):
         out = _plain_matvec(rows, weights, biases)
     elif not use_triton(x):
         out = nf4_matvec_reference(rows, weights, biases)
-    elif rows.shape[0] == 1:
+    elif rows.shape[0] == 1 and all(frozen_format(w).reads_in_gemv(w) for w in weights):
         out = _nf4_matvec_triton(rows, weights, biases)
     else:
         out = _plain_matvec(rows, weights, biases)

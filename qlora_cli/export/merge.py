@@ -16,7 +16,7 @@ from qlora_cli.rundir.names import STATE_FILE
 from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.weights import canonical_name, stream_checkpoint, stream_tensors
-from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
+from qlora_kernels.formats import NF4
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -35,8 +35,8 @@ def training_dtype(state: TrainerState) -> torch.dtype:
 
 
 def nf4_round_trip(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The frozen weight as the quantized model computes with it."""
-    return dequantize_nf4(quantize_nf4(weight.to(dtype)))
+    """The frozen weight as the quantized model computes with it (the format's round trip)."""
+    return NF4.round_trip(weight, dtype)
 
 
 def merge_tensor(

@@ -33,8 +33,7 @@ from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.lora import ProjectionGroup
 from qlora_cli.model.modes import DecodeRows, PrefillRows
-from qlora_kernels._dispatch import use_triton
-from qlora_kernels.nf4 import NF4Weight, dequantize_nf4
+from qlora_kernels.formats import frozen_format
 from qlora_kernels.nf4_matvec import nf4_matvec
 
 # The cache grows in steps of this many positions, so later calls of similar size reuse a captured graph.
@@ -60,15 +59,15 @@ class DecodeProjection:
     """A projection group for a few rows: the frozen weights read as they are stored, LoRA as
     (x @ A^T) @ B^T with every adapter of the group in one A and one block-diagonal B, scaling folded in.
 
-    Where the kernels run on their torch references (the CPU, outside Triton's interpreter) the NF4
-    weights are dequantized once here: the reference mat-vec would dequantize them at every step, and
-    the product is the same either way. Where Triton runs they stay NF4 for nf4_matvec.
+    A weight the GEMV kernel cannot read as stored (its format says: NF4 where the kernels run on their
+    torch references, the CPU outside Triton's interpreter) is dequantized once here: the reference
+    mat-vec would dequantize it at every step, and the product is the same either way. Where Triton
+    runs NF4 weights stay NF4 for nf4_matvec.
     """
 
     def __init__(self, group: ProjectionGroup, dtype: torch.dtype):
         self.weights = [
-            dequantize_nf4(w) if isinstance(w, NF4Weight) and not use_triton(w.packed) else w
-            for w in group.weights
+            w if frozen_format(w).reads_in_gemv(w) else frozen_format(w).dequantize(w) for w in group.weights
         ]
         self.biases = list(group.biases)
         pieces = [

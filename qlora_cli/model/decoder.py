@@ -29,8 +29,8 @@ from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.weights import stream_tensors
 from qlora_kernels.cross_entropy import linear_cross_entropy, linear_document_logprobs
+from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.fp8 import fp8_scales
-from qlora_kernels.nf4 import quantize_nf4
 from qlora_kernels.rmsnorm import add_rms_norm
 
 
@@ -153,6 +153,7 @@ class QLoRAModel(nn.Module):
     def load_base(self, tensors, *, quantize: bool, dtype: torch.dtype) -> None:
         """Take the frozen weights from a (name, tensor) stream; projections are quantized on arrival."""
         device = self.norm.device
+        base_format = NF4 if quantize else DENSE
         for name, tensor in tensors:
             tensor = tensor.to(device)
             parts = name.split(".")
@@ -175,8 +176,7 @@ class QLoRAModel(nn.Module):
                 if parts[-1] == "bias":
                     group.set_bias(parts[4], tensor.to(dtype))
                 else:
-                    weight = tensor.to(dtype)
-                    group.set_weight(parts[4], quantize_nf4(weight) if quantize else weight)
+                    group.set_weight(parts[4], base_format.encode(tensor.to(dtype)))
         if self.spec.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         self._share_scratch(device, dtype)

@@ -17,9 +17,9 @@ from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.model.mixers import MIXERS
 from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
+from qlora_kernels.formats import FrozenWeight
 from qlora_kernels.fp8 import FP8Scales
 from qlora_kernels.linear import buffer_numel, lora_linear, lora_linear_a, lora_linear_b
-from qlora_kernels.nf4 import NF4Weight
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class LoRAConfig:
 class ProjectionGroup(nn.Module):
     """Projections that share one input (q/k/v, gate/up, or a single one), run as one fused call.
 
-    Frozen weights are NF4 (or plain tensors when quantization is off) and live outside the
-    parameter list; LoRA A/B are the trainable fp32 master weights, named as PEFT names them.
+    Frozen weights are NF4 (or plain tensors when quantization is off; any kernels.formats format)
+    and live outside the parameter list; LoRA A/B are the trainable fp32 master weights, named as PEFT names them.
     LoRA dropout's mask is hash(the model's dropout seed, `salt`, token) (kernels.dropout): each
     group of each layer has its own salt, and a recompute repeats the mask without saving anything.
     """
@@ -72,7 +72,7 @@ class ProjectionGroup(nn.Module):
         self.names = names
         self.salt = salt
         self.out_features = [shapes[n][0] for n in names]
-        self.weights: list[NF4Weight | torch.Tensor | None] = [None] * len(names)
+        self.weights: list[FrozenWeight | None] = [None] * len(names)
         self.biases: list[torch.Tensor | None] = [None] * len(names)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
@@ -109,7 +109,7 @@ class ProjectionGroup(nn.Module):
     def scratch_numel(self) -> int:
         return buffer_numel(self.weights, self.lora_a_list())
 
-    def set_weight(self, name: str, weight: NF4Weight | torch.Tensor) -> None:
+    def set_weight(self, name: str, weight: FrozenWeight) -> None:
         self.weights[self.names.index(name)] = weight
 
     def set_bias(self, name: str, bias: torch.Tensor) -> None:

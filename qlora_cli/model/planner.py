@@ -16,6 +16,7 @@ from qlora_cli.model.mixers import MIXERS
 from qlora_cli.model.sizes import BF16
 from qlora_cli.model.sliced_mlp import slice_working_bytes
 from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
+from qlora_kernels.formats import NF4
 
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
 RERUN_ROWS = 6  # rows of hidden_size a layer's rerun holds beside its mixer's activations, fitted
@@ -33,7 +34,7 @@ class RunShape:
 
 
 def frozen_weight_bytes(spec: ModelSpec) -> int:
-    """NF4 projections (half a byte a weight plus about 1/64 byte of absmax) of each layer's kind, bf16
+    """NF4 projections (at the format's bytes a weight, absmax included) of each layer's kind, bf16
     embeddings, and what each layer's mixer holds beside (a Gated DeltaNet layer's fp32 conv weight,
     A_log, dt_bias and norm)."""
     weights = sum(
@@ -41,7 +42,7 @@ def frozen_weight_bytes(spec: ModelSpec) -> int:
     )
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     mixer_state = sum(MIXERS[kind].frozen_state_bytes(spec) for kind in spec.layer_types)
-    return int(weights * (0.5 + 1 / 64)) + embeddings * BF16 + mixer_state
+    return int(weights * NF4.bytes_per_weight) + embeddings * BF16 + mixer_state
 
 
 def trainable_state_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
