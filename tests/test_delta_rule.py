@@ -122,22 +122,11 @@ def test_passes_carry_the_state_across_spans(tokens_per_pass, with_state):
     with torch.no_grad():
         leaves[3].mul_(0.015)
     doc_ids = _doc_ids([[CHUNK, 1, 30, SEQ - CHUNK - 31], [2 * CHUNK, 1, SEQ - 2 * CHUNK - 1]])
-    grad_leaves = leaves if with_state else leaves[:5]
 
     def in_passes(*args, **kwargs):
         return gated_delta_rule(*args, tokens_per_pass=tokens_per_pass, **kwargs)
 
-    out = _run(in_passes, leaves, doc_ids, with_state)
-    ref = _run(gated_delta_rule_reference, leaves, doc_ids, with_state)
-    generator = torch.Generator().manual_seed(1)
-    out_grads = [None if o is None else torch.randn(o.shape, generator=generator) for o in ref]
-    for name, actual, expected in zip(["o", "final_state"], out, ref, strict=True):
-        if expected is not None:
-            _assert_close(actual, expected, name=name)
-    grads, ref_grads = _grads(out, grad_leaves, out_grads), _grads(ref, grad_leaves, out_grads)
-    names = ["dq", "dk", "dv", "dg", "dbeta", "dstate"][: len(grad_leaves)]
-    for name, actual, expected in zip(names, grads, ref_grads, strict=True):
-        _assert_close(actual, expected, name=name)
+    _assert_matches_reference(in_passes, leaves, doc_ids, with_state)
 
 
 def _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk, v_dim=V_DIM, g_scale=1.0):
@@ -148,9 +137,14 @@ def _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_
         # Unnormalised keys must keep the recurrence contractive (beta |k|^2 < 2) to be a fair test.
         with torch.no_grad():
             leaves[1].mul_(K_DIM**-0.5)
-    doc_ids = PACKED if packed else None
+    _assert_matches_reference(gated_delta_rule, leaves, PACKED if packed else None, with_state, normalize_qk)
+
+
+def _assert_matches_reference(fn, leaves, doc_ids, with_state, normalize_qk=True):
+    """fn's outputs and every input's gradient against the reference's, under one random output
+    gradient; fn must take the Triton path."""
     grad_leaves = leaves if with_state else leaves[:5]
-    out = _run(gated_delta_rule, leaves, doc_ids, with_state, normalize_qk)
+    out = _run(fn, leaves, doc_ids, with_state, normalize_qk)
     ref = _run(gated_delta_rule_reference, leaves, doc_ids, with_state, normalize_qk)
     assert out[0].grad_fn.name().startswith(GatedDeltaRuleFunction.__name__)
     generator = torch.Generator().manual_seed(1)
