@@ -70,8 +70,6 @@ class FusedProjections:
         self.adapter_scale = adapter_scale
         down = self.groups["down"]
         self.fuse_down = "down_proj" in down.lora_A and not (down.dropout and layer.training)
-        # SwiGLU forms down's t from this A, so the adapter switch reaches down's LoRA through it.
-        self.down_a = down.lora_a_list(adapter_scale)[0] if self.fuse_down else None
 
     def run(self, op, group, x):
         return timed(
@@ -86,6 +84,9 @@ class FusedProjections:
     def swiglu(self, gate_up):
         gate_up_out, gate_up_t = gate_up
         group = self.groups["gate_up"]
+        # SwiGLU forms down's t from down's A, so the adapter switch reaches down's LoRA through it;
+        # taken per call, since a sliced MLP backpropagates each slice's call on its own.
+        down_a = self.groups["down"].lora_a_list(self.adapter_scale)[0] if self.fuse_down else None
         return timed(
             Op.SILU,
             lora_swiglu,
@@ -94,7 +95,7 @@ class FusedProjections:
             group.lora_B.get("gate_proj"),
             group.lora_B.get("up_proj"),
             group.scaling,
-            self.down_a,
+            down_a,
             need_output=not (self.layer.recomputing and self.fuse_down),
         )
 
