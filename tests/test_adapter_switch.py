@@ -30,7 +30,9 @@ def adapted(folder, lora=LoRAConfig(r=4), **options) -> QLoRAModel:
     model = QLoRAModel.from_pretrained(folder, quantize=False, lora=lora, **options)
     for group in (g for layer in model.layers for g in layer.projections.values()):
         for b in group.lora_B.values():
-            torch.nn.init.normal_(b, std=0.05, generator=torch.Generator().manual_seed(b.numel()))
+            drawn = torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05
+            with torch.no_grad():
+                b.copy_(drawn)
     return model
 
 

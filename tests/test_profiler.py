@@ -284,3 +284,27 @@ def test_fp8_runs_compare_the_frozen_gemm_rows_with_the_fp8_roofline():
     console.print(render_table(report))
     text = console.export_text()
     assert "qkv_gemm (fp8)" in text and "attention (fp8)" not in text and "e4m3 matmul" in text
+
+
+def test_lora_share_repeats_swiglu_with_down_a_made_in_a_rerun_without_grad():
+    """Down's A reaches SwiGLU as A times the adapter switch; in a rerun without grad that product
+    needs no gradient, and the profiler's repeat must still differentiate it (it failed on the H200)."""
+    from qlora_cli.profiler.lora import _lora_ms, _swiglu_calls, lora_call
+
+    tokens, width, rank = 8, 12, 2
+    gate_b, up_b = (torch.randn(width // 2, rank, requires_grad=True) for _ in range(2))
+    down_a = torch.randn(rank, width // 2, requires_grad=True)
+    with torch.no_grad():
+        down_a_rerun = down_a * torch.ones(())
+    values = {
+        "gate_up": torch.randn(tokens, width),
+        "lora_t": torch.randn(tokens, 2 * rank),
+        "gate_b": gate_b,
+        "up_b": up_b,
+        "scaling": 2.0,
+        "down_a": down_a_rerun,
+    }
+    forward, backward = _lora_ms(
+        _swiglu_calls(lora_call(Op.SILU, values), tokens, "cpu", torch.float32), torch.device("cpu")
+    )
+    assert forward >= 0 and backward >= 0

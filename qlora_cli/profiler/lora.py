@@ -41,8 +41,14 @@ def lora_call(op: Op, values: dict) -> dict:
     return {
         "width": values["gate_up"].shape[-1],
         "ranks": None if lora_t is None else lora_t.shape[-1],
-        "lora": (values["gate_b"], values["up_b"], values["scaling"], values["down_a"]),
+        "lora": (values["gate_b"], values["up_b"], values["scaling"], _detached(values["down_a"])),
     }
+
+
+def _detached(down_a: torch.Tensor | None) -> torch.Tensor | None:
+    """Down's A as SwiGLU takes it is A times the adapter switch, made in the step's graph (or in
+    a rerun without one): kept apart from it, and a leaf of its own where the call is repeated."""
+    return None if down_a is None else down_a.detach()
 
 
 def _projection_calls(group: torch.nn.Module, call: dict, tokens: int, device, dtype):
@@ -79,6 +85,7 @@ def _projection_calls(group: torch.nn.Module, call: dict, tokens: int, device, d
 def _swiglu_calls(call: dict, tokens: int, device, dtype):
     """The same for SwiGLU with the MLP's LoRA (gate/up's B, down's A) against plain SwiGLU."""
     gate_b, up_b, scaling, down_a = call["lora"]
+    down_a = None if down_a is None else down_a.clone().requires_grad_()
     g = torch.randn(tokens, call["width"], device=device, dtype=dtype, requires_grad=True)
     t = None
     if call["ranks"]:
