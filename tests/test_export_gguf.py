@@ -40,6 +40,8 @@ from test_export import make_run
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.command import export
+from qlora_cli.export.gguf.architectures import architecture, pairwise_rope_rows
+from qlora_cli.export.gguf.layer_kinds import GGUF_LAYER_KINDS, KindTensors
 from qlora_cli.export.gguf.vocab import (
     LLAMA3_SPLIT,
     QWEN2_SPLIT,
@@ -48,6 +50,7 @@ from qlora_cli.export.gguf.vocab import (
     pre_tokenizer_name,
 )
 from qlora_cli.sources.model_config import read_spec
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
 
@@ -784,3 +787,67 @@ def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf
     got = torch.from_numpy(llama.scores[: len(ids)].copy())
     assert (got - expected).abs().max().item() < tolerance
     assert (base - expected).abs().max().item() > 2 * tolerance
+
+
+class _DoubledTensors(KindTensors):
+    """A GGUF form for the test-only layer kind: its tensors doubled, kept in f32, one metadata key."""
+
+    prefix = "mixer_x."
+
+    def transform(self, name, tensor):
+        return 2 * tensor
+
+    def keeps_f32(self, name):
+        return True
+
+    def add_metadata(self, writer):
+        writer.add_uint32("mixer_x.width", self.spec.hidden_size)
+
+
+def _spec_with_layer_kind(kind: str) -> ModelSpec:
+    return ModelSpec(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        dtype=torch.float32,
+        layer_types=("full_attention", kind),
+    )
+
+
+def test_a_layer_kind_gets_its_gguf_form_through_the_registry_alone(monkeypatch):
+    """Registered in GGUF_LAYER_KINDS, a kind's own tensors take its transform and the architecture's
+    after it; attention's and the rest take the architecture's alone; its metadata is written."""
+    monkeypatch.setitem(GGUF_LAYER_KINDS, "mixer_x", _DoubledTensors)
+    family = architecture(_spec_with_layer_kind("mixer_x"))
+    own, query = "model.layers.1.mixer_x.w.weight", "model.layers.0.self_attn.q_proj.weight"
+    weight = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    assert torch.equal(family.transform(own, weight), 2 * weight)
+    assert family.keeps_f32(own) and not family.keeps_f32(query)
+    assert torch.equal(family.transform(query, weight), pairwise_rope_rows(weight, 4))
+
+    class Keys:
+        def __init__(self):
+            self.written = {}
+
+        def __getattr__(self, name):
+            return lambda *values: self.written.__setitem__(name, values)
+
+    writer = Keys()
+    family.add_metadata(writer, None)
+    assert writer.written["add_uint32"] == ("mixer_x.width", 64)
+
+
+def test_a_layer_kind_without_a_gguf_form_is_refused_in_one_line():
+    with pytest.raises(QLoraError, match="no GGUF form for layers of kind 'mixer_x'"):
+        architecture(_spec_with_layer_kind("mixer_x"))

@@ -1,16 +1,12 @@
 """What each family becomes in llama.cpp: its GGUF architecture, the metadata that architecture reads
-beyond the common keys, and how a Hugging Face tensor turns into llama.cpp's.
+beyond the common keys, and what it does to every layer's tensors; each layer kind's own tensors are
+layer_kinds.py's.
 
 - qwen2 / qwen3: the tensors as they are. llama.cpp applies NeoX-style RoPE to these, as transformers
   does, so Q and K keep their row order.
-- qwen35 (Qwen3.5/3.6): every zero-centred norm x̂·(1+w) is stored as the plain weight 1+w, but not
-  linear attention's gated norm, which is a plain x̂·w already; A_log is stored as -exp(A_log), the
-  decay rate llama.cpp multiplies by; dt_bias is `ssm_dt.bias`; the conv's [C, 1, K] weight is [C, K].
-  Where there are more value heads than key heads, transformers pairs value head j with key head
-  j // r (grouped) but llama.cpp broadcasts key heads by tiling (head j uses key head j % H_k), so the
-  value-side heads (v rows of in_proj_qkv and of the conv, z, a, b, A_log, dt_bias, out_proj's columns)
-  are reordered from grouped to tiled. q_proj keeps query and gate interleaved per head, as llama.cpp
-  splits them.
+- qwen35 (Qwen3.5/3.6): every zero-centred norm x̂·(1+w) is stored as the plain weight 1+w (a layer
+  kind may keep a plain norm of its own); q_proj keeps query and gate interleaved per head, as
+  llama.cpp splits them; the layer kinds follow from one full-attention layer every N.
 - llama (Llama 3.x, Mistral): llama.cpp rotates adjacent pairs, transformers the two halves of each
   head, so Q's and K's rows are permuted within each head; llama3 RoPE becomes `rope_freqs.weight`,
   the factor each frequency is divided by.
@@ -23,23 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.gguf.layer_kinds import KindTensors, layer_kinds
 from qlora_cli.sources.families import family
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
 from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 
 ROPE_FREQS = "rope_freqs.weight"
 _DEFAULT_ROPE = RopeScaling()
-# Tensors kept in f32 whatever the file type: small, and the conv's rows (K taps) fit no quant block.
-_F32_SUFFIXES = ("linear_attn.conv1d.weight", "linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")
-_GATED_NORM = "linear_attn.norm.weight"
-# (suffix, how many values make one value-side head: "v" for value_head_dim, 1 for a per-head scalar)
-_VALUE_HEAD_ROWS = {
-    "linear_attn.in_proj_z.weight": "v",
-    "linear_attn.in_proj_a.weight": 1,
-    "linear_attn.in_proj_b.weight": 1,
-    "linear_attn.A_log": 1,
-    "linear_attn.dt_bias": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -48,51 +34,30 @@ class Architecture:
 
     arch: str
     spec: ModelSpec
+    kinds: tuple[KindTensors, ...]
+
+    def _kind(self, name: str) -> KindTensors:
+        """The layer kind whose own tensor this is; the identity for the others."""
+        return next((k for k in self.kinds if f".{k.prefix}" in name), KindTensors(self.spec))
 
     def gguf_name(self, name: str) -> str:
         """The Hugging Face name gguf's TensorNameMap knows this tensor by."""
-        return name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
+        return self._kind(name).gguf_name(name)
 
     def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.arch == "QWEN35" and name.endswith("linear_attn.conv1d.weight"):
-            return (shape[0], shape[2])
-        return shape
+        return self._kind(name).shape(name, shape)
 
     def keeps_f32(self, name: str) -> bool:
-        return name.endswith(_F32_SUFFIXES)
+        return self._kind(name).keeps_f32(name)
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if self.arch == "QWEN35":
-            return self._qwen35(name, tensor)
+        kind = self._kind(name)
+        tensor = kind.transform(name, tensor)
+        if self.arch == "QWEN35" and name.endswith("norm.weight") and not kind.plain_norm(name):
+            return tensor.float() + 1
         if self.arch == "LLAMA":
             return self._llama(name, tensor)
         return tensor
-
-    def _qwen35(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith("norm.weight") and not name.endswith(_GATED_NORM):
-            return tensor.float() + 1
-        linear = self.spec.linear_attention
-        if name.endswith("linear_attn.A_log"):
-            tensor = -tensor.float().exp()
-        if name.endswith("linear_attn.conv1d.weight"):
-            tensor = tensor[:, 0, :]
-        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
-            qk = 2 * linear.key_dim
-            return torch.cat([tensor[:qk], self._tile_value_heads(tensor[qk:], linear.value_head_dim)])
-        if name.endswith("linear_attn.out_proj.weight"):
-            return self._tile_value_heads(tensor.T, linear.value_head_dim).T
-        for suffix, size in _VALUE_HEAD_ROWS.items():
-            if name.endswith(suffix):
-                return self._tile_value_heads(tensor, linear.value_head_dim if size == "v" else 1)
-        return tensor
-
-    def _tile_value_heads(self, rows: torch.Tensor, head_size: int) -> torch.Tensor:
-        """Value-side heads from grouped by key head ([k0v0, k0v1, k1v0, k1v1]) to tiled ([k0v0, k1v0,
-        k0v1, k1v1]); rows hold head_size values per head."""
-        linear = self.spec.linear_attention
-        per_key = linear.num_value_heads // linear.num_key_heads
-        grouped = rows.reshape(linear.num_key_heads, per_key, head_size, *rows.shape[1:])
-        return grouped.transpose(0, 1).reshape(rows.shape).contiguous()
 
     def _llama(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         heads = {"self_attn.q_proj": self.spec.num_heads, "self_attn.k_proj": self.spec.num_kv_heads}
@@ -112,17 +77,12 @@ class Architecture:
         spec = self.spec
         writer.add_rope_dimension_count(spec.rotary_dim)
         _add_rope_scaling(writer, gguf, spec, self.arch)
-        if self.arch != "QWEN35":
-            return
-        linear = spec.linear_attention
-        sections = list(spec.mrope_section or (spec.rotary_dim // 2,))
-        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
-        writer.add_full_attention_interval(full_attention_interval(spec))
-        writer.add_ssm_conv_kernel(linear.conv_kernel)
-        writer.add_ssm_state_size(linear.key_head_dim)
-        writer.add_ssm_group_count(linear.num_key_heads)
-        writer.add_ssm_time_step_rank(linear.num_value_heads)
-        writer.add_ssm_inner_size(linear.value_dim)
+        if self.arch == "QWEN35":
+            sections = list(spec.mrope_section or (spec.rotary_dim // 2,))
+            writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+            writer.add_full_attention_interval(full_attention_interval(spec))
+        for kind in self.kinds:
+            kind.add_metadata(writer)
 
 
 def pairwise_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -170,4 +130,4 @@ def _add_rope_scaling(writer, gguf, spec: ModelSpec, arch: str) -> None:
 
 
 def architecture(spec: ModelSpec) -> Architecture:
-    return Architecture(family(spec.model_type, "--gguf").gguf_architecture, spec)
+    return Architecture(family(spec.model_type, "--gguf").gguf_architecture, spec, tuple(layer_kinds(spec)))
