@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+import qlora_cli
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
 from qlora_cli.core.console import OutputConsole
@@ -19,7 +20,7 @@ from qlora_cli.train.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
     name="qlora",
-    help="QLoRA fine-tuning of Qwen2, Qwen2.5 and Qwen3 models on fused Triton kernels.",
+    help=qlora_cli.__doc__.removeprefix("qlora: "),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,
@@ -75,7 +76,7 @@ def root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """QLoRA fine-tuning of Qwen2, Qwen2.5 and Qwen3 models."""
+    """Options that come before the command."""
 
 
 @app.command()

@@ -11,6 +11,8 @@ import yaml
 from checkpoints import write_run
 from safetensors.torch import load_file, save_file
 
+from qlora_cli.sources.families import FAMILIES
+
 pytestmark = pytest.mark.usefixtures("reference_ops")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +30,9 @@ def test_help_on_every_command():
             [sys.executable, "-m", "qlora_cli", *args, "--help"], capture_output=True, text=True, cwd=ROOT
         )
         assert proc.returncode == 0 and "Usage" in proc.stdout
+        if not args:
+            listed = " ".join(proc.stdout.split())
+            assert all(row.covers in listed for row in FAMILIES), listed
 
 
 def test_version(run_cli):
