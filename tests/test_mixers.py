@@ -9,7 +9,7 @@ from qlora_cli.core.ops import Op
 from qlora_cli.model import LoRAConfig
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.mixers import MIXERS
-from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.spec import LAYER_KIND_TENSORS, LayerKindTensors, ModelSpec
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
@@ -33,9 +33,20 @@ def _rms_norm(x, eps):
 
 
 def test_a_layer_kind_plugs_in_through_the_mixer_registry(monkeypatch):
-    """A spec naming an unknown kind and the registry's mixer for it, nothing else: the layer runs it
-    between its norms and the MLP, forward and backward, LoRA on its projection trained."""
+    """A spec naming an unknown kind, the registry's mixer for it and its tensors' row, nothing else: the
+    checkpoint's tensors follow the row, and the layer runs the mixer between its norms and the MLP,
+    forward and backward, LoRA on its projection trained."""
     monkeypatch.setitem(MIXERS, "scaled_projection", ScaledProjection)
+    monkeypatch.setitem(
+        LAYER_KIND_TENSORS,
+        "scaled_projection",
+        LayerKindTensors(
+            "self_attn",
+            lambda spec: {"o_proj": (spec.hidden_size, spec.hidden_size)},
+            lambda spec: {"scale": (spec.hidden_size,)},
+            lambda spec: (),
+        ),
+    )
     spec = ModelSpec(
         model_type="llama",
         vocab_size=32,
@@ -54,6 +65,15 @@ def test_a_layer_kind_plugs_in_through_the_mixer_registry(monkeypatch):
         dtype=torch.float32,
         layer_types=("scaled_projection",),
     )
+    assert set(spec.layer_tensors(0)) == {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.scale",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    }
     lora = LoRAConfig(r=4, target_modules=("o_proj",))
     layer = DecoderLayer(spec, lora, "auto")
     assert list(layer.projections) == ["o", "gate_up", "down"]

@@ -15,7 +15,7 @@ from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.rope import rope_config
 from qlora_cli.sources.spec import (
     FULL_ATTENTION,
-    LAYER_TYPES,
+    LAYER_KIND_TENSORS,
     LINEAR_ATTENTION,
     TEXT_LAYOUT,
     VISION_LANGUAGE_LAYOUT,
@@ -32,10 +32,10 @@ def _layer_types(cfg: dict, num_layers: int, where: str) -> tuple[str, ...]:
     if types is None:
         interval = int(cfg.get("full_attention_interval", 4))
         return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers or set(types) - set(LAYER_TYPES):
+    if not isinstance(types, list) or len(types) != num_layers or set(types) - set(LAYER_KIND_TENSORS):
         raise QLoraError(
             f"{where}: layer_types must list {count(num_layers, 'entry', 'entries')} (num_hidden_layers) of "
-            f"{' or '.join(LAYER_TYPES)}, got {types!r}"
+            f"{' or '.join(LAYER_KIND_TENSORS)}, got {types!r}"
         )
     return tuple(types)
 

@@ -3,16 +3,15 @@ the layer kinds and where a checkpoint keeps the text decoder's tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from qlora_cli.core.names import LINEAR_ATTENTION_PROJECTIONS
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 
 # Where the text decoder's tensors sit: at `model.` in a causal LM, under `model.language_model.` in a
 # vision-language checkpoint. Streamed names always use the first.
@@ -20,13 +19,7 @@ TEXT_LAYOUT = "text"
 VISION_LANGUAGE_LAYOUT = "vl"
 DECODER_PREFIX = {TEXT_LAYOUT: "model.", VISION_LANGUAGE_LAYOUT: "model.language_model."}
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_MODULE = {
-    **dict.fromkeys(_ATTENTION, "self_attn"),
-    **dict.fromkeys(_MLP, "mlp"),
-    **dict.fromkeys(LINEAR_ATTENTION_PROJECTIONS, "linear_attn"),
-}
 
 
 @dataclass(frozen=True)
@@ -123,28 +116,11 @@ class ModelSpec:
         return DECODER_PREFIX[self.layout]
 
     def projection_shapes(self, kind: str = FULL_ATTENTION) -> dict[str, tuple[int, int]]:
-        """[out, in] of each projection of a layer of `kind`, under transformers' module names; a gated
-        attention's q_proj holds query and gate, interleaved per head ([h·2d, h·2d + d) is query)."""
+        """[out, in] of each projection of a layer of `kind`, under transformers' module names: its
+        mixer's (LAYER_KIND_TENSORS), then the MLP's."""
         h, i = self.hidden_size, self.intermediate_size
         mlp = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-        if kind == LINEAR_ATTENTION:
-            linear = self.linear_attention
-            return {
-                "in_proj_qkv": (linear.conv_dim, h),
-                "in_proj_z": (linear.value_dim, h),
-                "in_proj_b": (linear.num_value_heads, h),
-                "in_proj_a": (linear.num_value_heads, h),
-                "out_proj": (h, linear.value_dim),
-                **mlp,
-            }
-        q_out = 2 * self.q_size if self.attention_output_gate else self.q_size
-        return {
-            "q_proj": (q_out, h),
-            "k_proj": (self.kv_size, h),
-            "v_proj": (self.kv_size, h),
-            "o_proj": (h, self.q_size),
-            **mlp,
-        }
+        return {**layer_kind_tensors(kind).projections(self), **mlp}
 
     def projection_names(self) -> tuple[str, ...]:
         """Every projection the model's layers have, in layer order: what LoRA can target in this model."""
@@ -153,29 +129,19 @@ class ModelSpec:
 
     def layer_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer, named below `model.layers.N.`, with their shapes."""
-        kind = self.layer_types[layer]
+        kind = layer_kind_tensors(self.layer_types[layer])
         shapes: dict[str, tuple[int, ...]] = {
             "input_layernorm.weight": (self.hidden_size,),
             "post_attention_layernorm.weight": (self.hidden_size,),
         }
-        projections = self.projection_shapes(kind)
+        projections = self.projection_shapes(self.layer_types[layer])
+        module = {name: "mlp" if name in _MLP else kind.module for name in projections}
         for name, shape in projections.items():
-            shapes[f"{_MODULE[name]}.{name}.weight"] = shape
-        biased = [*_MLP] if self.mlp_bias else []
-        if kind == FULL_ATTENTION:
-            biased += ["q_proj", "k_proj", "v_proj"] if self.attention_bias else []
-            biased += ["o_proj"] if self.o_proj_bias else []
-            if self.qk_norm:
-                shapes["self_attn.q_norm.weight"] = (self.head_dim,)
-                shapes["self_attn.k_norm.weight"] = (self.head_dim,)
-        else:
-            linear = self.linear_attention
-            shapes["linear_attn.conv1d.weight"] = (linear.conv_dim, 1, linear.conv_kernel)
-            shapes["linear_attn.A_log"] = (linear.num_value_heads,)
-            shapes["linear_attn.dt_bias"] = (linear.num_value_heads,)
-            shapes["linear_attn.norm.weight"] = (linear.value_head_dim,)
+            shapes[f"{module[name]}.{name}.weight"] = shape
+        shapes.update({f"{kind.module}.{name}": shape for name, shape in kind.tensors(self).items()})
+        biased = [*kind.biased(self), *(_MLP if self.mlp_bias else ())]
         for name in biased:
-            shapes[f"{_MODULE[name]}.{name}.bias"] = (projections[name][0],)
+            shapes[f"{module[name]}.{name}.bias"] = (projections[name][0],)
         return shapes
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
@@ -190,3 +156,74 @@ class ModelSpec:
             for name, shape in self.layer_tensors(layer).items():
                 shapes[f"model.layers.{layer}.{name}"] = shape
         return shapes
+
+
+@dataclass(frozen=True)
+class LayerKindTensors:
+    """What a layer kind's token mixer keeps in a checkpoint, under `module` in each layer of the kind:
+    its projections' [out, in], its other tensors' shapes and its biased projections, from the spec."""
+
+    module: str
+    projections: Callable[[ModelSpec], dict[str, tuple[int, int]]]
+    tensors: Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+    biased: Callable[[ModelSpec], tuple[str, ...]]
+
+
+def _attention_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """A gated attention's q_proj holds query and gate, interleaved per head ([h·2d, h·2d + d) is query)."""
+    h = spec.hidden_size
+    q_out = 2 * spec.q_size if spec.attention_output_gate else spec.q_size
+    return {
+        "q_proj": (q_out, h),
+        "k_proj": (spec.kv_size, h),
+        "v_proj": (spec.kv_size, h),
+        "o_proj": (h, spec.q_size),
+    }
+
+
+def _attention_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"q_norm.weight": (spec.head_dim,), "k_norm.weight": (spec.head_dim,)} if spec.qk_norm else {}
+
+
+def _attention_biased(spec: ModelSpec) -> tuple[str, ...]:
+    qkv = ("q_proj", "k_proj", "v_proj") if spec.attention_bias else ()
+    return qkv + (("o_proj",) if spec.o_proj_bias else ())
+
+
+def _gated_deltanet_projections(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    h, linear = spec.hidden_size, spec.linear_attention
+    return {
+        "in_proj_qkv": (linear.conv_dim, h),
+        "in_proj_z": (linear.value_dim, h),
+        "in_proj_b": (linear.num_value_heads, h),
+        "in_proj_a": (linear.num_value_heads, h),
+        "out_proj": (h, linear.value_dim),
+    }
+
+
+def _gated_deltanet_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    linear = spec.linear_attention
+    return {
+        "conv1d.weight": (linear.conv_dim, 1, linear.conv_kernel),
+        "A_log": (linear.num_value_heads,),
+        "dt_bias": (linear.num_value_heads,),
+        "norm.weight": (linear.value_head_dim,),
+    }
+
+
+# Layer kind (ModelSpec.layer_types) -> its mixer's tensors; a new kind is a row here and its mixer
+# in qlora_cli.model.mixers.
+LAYER_KIND_TENSORS: dict[str, LayerKindTensors] = {
+    FULL_ATTENTION: LayerKindTensors(
+        "self_attn", _attention_projections, _attention_tensors, _attention_biased
+    ),
+    LINEAR_ATTENTION: LayerKindTensors(
+        "linear_attn", _gated_deltanet_projections, _gated_deltanet_tensors, lambda spec: ()
+    ),
+}
+
+
+def layer_kind_tensors(kind: str) -> LayerKindTensors:
+    if kind not in LAYER_KIND_TENSORS:
+        raise ValueError(f"no layer kind '{kind}' (known: {', '.join(LAYER_KIND_TENSORS)})")
+    return LAYER_KIND_TENSORS[kind]
