@@ -11,7 +11,9 @@ torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a 
 it to (qlora_cli/model/mixers/gated_deltanet.py's delta_rule_tokens_per_pass).
 Each `--variant` also times ours with some settings replaced: the scans' value columns per program
 (`columns`, default kernels/delta_rule/scan.py's _block_v), `warps` and software-pipelining `stages`, and the
-per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`).
+per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`), and the warps
+of the chunk solve (`solve_warps`), of the W/U/Aqk tables (`table_warps`) and of the backward's
+per-chunk kernels (`backward_warps`).
 `--kernels` prints ours' forward+backward by GPU kernel. `--before PATH` also times another copy of
 the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then DIR/kernels/delta_rule;
 before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
@@ -33,7 +35,7 @@ import torch
 import qlora_kernels.delta_rule as delta_rule_module
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
-from qlora_kernels.delta_rule import backward, common, scan
+from qlora_kernels.delta_rule import backward, common, scan, tables
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 SHAPES = [(4, 2048), (1, 32768)]
@@ -108,6 +110,9 @@ VARIANT_KEYS = {
     "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages},
     "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
     "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},
+    "solve_warps": lambda warps: {(tables, "_SOLVE_WARPS"): warps},
+    "table_warps": lambda warps: {(tables, "_WARPS"): warps},
+    "backward_warps": lambda warps: {(backward, "_WARPS"): warps},
 }
 
 
