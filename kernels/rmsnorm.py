@@ -75,31 +75,39 @@ if TRITON_AVAILABLE:
         x_row_stride,
         residual_row_stride,
         gate_row_stride,
+        n_rows,
         n_cols,
         eps,
         weight_offset,
         HAS_RESIDUAL: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
+        """ROWS rows a program: one row of a short norm (a 128-value head) is too little work alone."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        in_rows = rows < n_rows
+        mask = in_rows[:, None] & (cols < n_cols)[None, :]
+        tile = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+            residual = tl.load(
+                residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask, other=0.0
+            )
             # Round the sum to the residual stream's dtype first, so the norm sees what is stored.
             summed = (x + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
-            tl.store(summed_ptr + row * n_cols + cols, summed, mask=mask)
+            tl.store(summed_ptr + tile, summed, mask=mask)
             x = summed.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        tl.store(rstd_ptr + row, rstd)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-        y = (x * rstd) * weight
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=in_rows)
+        weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + weight_offset
+        y = (x * rstd[:, None]) * weight[None, :]
         if HAS_GATE:
-            gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0)
+            gate = gate.to(tl.float32)
             y = y * (gate * tl.sigmoid(gate))
-        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_bwd_kernel(
@@ -122,40 +130,46 @@ if TRITON_AVAILABLE:
         HAS_GATE: tl.constexpr,
         COMPUTE_DWEIGHT: tl.constexpr,
         ROWS_PER_PROGRAM: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """One program walks a block of rows, keeping its share of dW in registers."""
+        """One program walks a block of rows, ROWS at a time, keeping its share of dW in registers."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-        dweight = tl.zeros([BLOCK], dtype=tl.float32)
+        col_mask = cols < n_cols
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+        dweight = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
-        for i in range(ROWS_PER_PROGRAM):
-            row = row_start + i
-            row_mask = cols < tl.where(row < n_rows, n_cols, 0)
-            offsets = row * n_cols + cols
-            dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=row_mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + offsets, mask=row_mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
-            x_hat = x * rstd
+        for i in range(0, ROWS_PER_PROGRAM, ROWS):
+            rows = row_start + i + tl.arange(0, ROWS)
+            in_rows = rows < n_rows
+            mask = in_rows[:, None] & col_mask[None, :]
+            tile = rows[:, None] * n_cols + cols[None, :]
+            dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            x = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
+            x_hat = x * rstd[:, None]
             if HAS_GATE:
-                gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=row_mask, other=0.0)
-                gate = gate.to(tl.float32)
+                gate = tl.load(
+                    gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0
+                ).to(tl.float32)
                 sigmoid = tl.sigmoid(gate)
-                dgate = dy * x_hat * weight * sigmoid * (1.0 + gate * (1.0 - sigmoid))
-                tl.store(dgate_ptr + offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=row_mask)
+                dgate = dy * x_hat * weight[None, :] * sigmoid * (1.0 + gate * (1.0 - sigmoid))
+                tl.store(dgate_ptr + tile, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
                 dy = dy * (gate * sigmoid)
-            dy_w = dy * weight
-            dx = rstd * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols))
+            dy_w = dy * weight[None, :]
+            dx = rstd[:, None] * (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=1) / n_cols)[:, None])
             if HAS_DSUMMED:
-                dsummed = tl.load(dsummed_ptr + row * dsummed_row_stride + cols, mask=row_mask, other=0.0)
+                dsummed = tl.load(
+                    dsummed_ptr + rows[:, None] * dsummed_row_stride + cols[None, :], mask=mask, other=0.0
+                )
                 dx += dsummed.to(tl.float32)
-            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+            tl.store(dx_ptr + tile, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DWEIGHT:
                 dweight += dy * x_hat
         if COMPUTE_DWEIGHT:
-            tl.store(dweight_partial_ptr + pid * n_cols + cols, dweight, mask=mask)
+            tl.store(dweight_partial_ptr + pid * n_cols + cols, tl.sum(dweight, axis=0), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,11 +179,17 @@ if TRITON_AVAILABLE:
 _MAX_HIDDEN = 65536
 
 
-def _block_and_warps(n_cols: int) -> tuple[int, int]:
+# Values a program's tile holds: rows are grouped until a tile has this many (one row of 4096 and up).
+_TILE = 4096
+
+
+def _tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps): a row padded to a power of two, as many rows as fill a tile."""
     if n_cols > _MAX_HIDDEN:
         raise ValueError(f"rms_norm supports hidden sizes up to {_MAX_HIDDEN}, got {n_cols}")
     block = triton.next_power_of_2(n_cols)
-    return block, min(max(block // 512, 4), 16)
+    rows = max(1, _TILE // block)
+    return block, rows, min(max(rows * block // 512, 4), 16)
 
 
 def _check_gate(x: torch.Tensor, gate: torch.Tensor) -> None:
@@ -213,9 +233,9 @@ def _rms_norm_forward(
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(y) if residual is not None else x2d
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block, num_warps = _block_and_warps(n_cols)
+    block, rows, num_warps = _tile(n_cols)
     gate2d_or_x = gate2d if gate2d is not None else x2d
-    _rms_norm_fwd_kernel[(n_rows,)](
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x2d,
         residual2d,
         gate2d_or_x,
@@ -226,11 +246,13 @@ def _rms_norm_forward(
         x2d.stride(0),
         residual2d.stride(0),
         gate2d_or_x.stride(0),
+        n_rows,
         n_cols,
         eps,
         weight_offset,
         HAS_RESIDUAL=residual is not None,
         HAS_GATE=gate2d is not None,
+        ROWS=rows,
         BLOCK=block,
         num_warps=num_warps,
     )
@@ -263,13 +285,14 @@ def _rms_norm_backward(
     dx = torch.empty_like(summed2d)
     dgate = torch.empty_like(summed2d) if gate2d is not None else None
     gate2d_or_x = gate2d if gate2d is not None else summed2d
+    block, rows, num_warps = _tile(n_cols)
     # A power of two, so the row-loop bound is a compile-time constant with few distinct values.
     rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, _backward_programs(n_rows, dy.device)))
+    rows_per_program = max(rows, rows_per_program)
     n_programs = triton.cdiv(n_rows, rows_per_program)
     dweight_partial = (
         torch.empty((n_programs, n_cols), dtype=torch.float32, device=dy.device) if compute_dweight else rstd
     )
-    block, num_warps = _block_and_warps(n_cols)
     _rms_norm_bwd_kernel[(n_programs,)](
         dy2d,
         dsummed2d,
@@ -290,6 +313,7 @@ def _rms_norm_backward(
         HAS_GATE=gate2d is not None,
         COMPUTE_DWEIGHT=compute_dweight,
         ROWS_PER_PROGRAM=rows_per_program,
+        ROWS=rows,
         BLOCK=block,
         num_warps=num_warps,
     )
