@@ -251,3 +251,12 @@ def test_compare_draws_a_random_base_for_qlora_alone(tmp_path):
     runs = json.loads(out.read_text())["results"]
     assert set(runs) == {"qlora-eager"}
     assert 0 < runs["qlora-eager"]["loss"] < 20 and runs["qlora-eager"]["estimated_peak_gib"] > 0
+
+
+def test_grouped_nf4_routing_gives_each_token_top_k_distinct_experts():
+    from benchmarks.grouped_nf4 import routed_offsets
+
+    offsets = routed_offsets(100, 16, 4, torch.Generator().manual_seed(0))
+    counts = offsets.diff()
+    assert offsets[0] == 0 and offsets[-1] == 400 and offsets.shape == (17,)
+    assert (counts >= 0).all() and counts.max() <= 100

@@ -1,0 +1,117 @@
+"""The grouped NF4 GEMM over experts against the bf16 grouped GEMM, at mixture-of-experts shapes.
+
+Usage: python -m benchmarks.grouped_nf4 [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b] [--tokens 4096] [--json FILE]
+
+For each shape's routed experts (NF4 with double quantization, bf16 activations), tokens routed to
+top-k experts drawn at random and sorted by expert, times (median, CUDA events) the gate/up and down
+projections, forward (y = x W_e^T) and the backward's input gradient (dx = dy W_e):
+  - ours, `qlora_kernels.grouped_nf4.grouped_nf4_linear`, decoding NF4 tiles inside the GEMM;
+  - torch's bf16 grouped GEMM (`torch._grouped_mm`) on the same weights dequantized once, the
+    throughput the NF4 kernel is held to (the target is at least 70 % of it);
+  - one bf16 matmul per expert, as the fixes that dequantize one expert at a time run.
+TFLOP/s counts 2 x rows x in x out per projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.output import add_json_option, write_json
+from qlora_cli.profiler.timing import measure
+from qlora_kernels.grouped_nf4 import dequantize_grouped_nf4, grouped_nf4_linear, quantize_grouped_nf4
+
+# Routed experts of each model: (experts, top-k, hidden size, expert intermediate size).
+SHAPES = {
+    "qwen3.5-35b-a3b": (256, 8, 2048, 512),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+
+
+def routed_offsets(tokens: int, experts: int, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    """int64 [experts + 1]: where each expert's rows start when every token picks top_k distinct
+    experts at random and the tokens' copies are sorted by expert."""
+    choices = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices
+    counts = torch.bincount(choices.flatten(), minlength=experts)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+
+def _bf16_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor):
+    """torch's grouped GEMM: each expert's rows of a [rows, k] times its b [E, k, n], which it takes
+    column-major; the experts' row ends are offsets[1:] as int32."""
+    ends = offsets[1:].to(torch.int32)
+    b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return lambda: torch._grouped_mm(a, b, offs=ends)
+
+
+def _per_expert(x: torch.Tensor, dense: torch.Tensor, bounds: list[int]):
+    def run():
+        return torch.cat([x[a:b] @ w.T for a, b, w in zip(bounds, bounds[1:], dense, strict=True)])
+
+    return run
+
+
+def time_projection(name: str, rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> dict:
+    """ms and TFLOP/s of each implementation for one projection, forward and input gradient."""
+    grouped = quantize_grouped_nf4(weights)
+    dense = dequantize_grouped_nf4(grouped)
+    bounds = offsets.tolist()
+    offsets = offsets.cuda()
+    x = rows.requires_grad_()
+    dy = torch.randn(rows.shape[0], weights.shape[1], device="cuda", dtype=torch.bfloat16)
+    flops = 2 * rows.shape[0] * weights.shape[1] * weights.shape[2]
+    forward = lambda: grouped_nf4_linear(x, grouped, offsets)  # noqa: E731
+    y = forward()
+    cases = {
+        "ours NF4, forward": forward,
+        "ours NF4, input gradient": lambda: torch.autograd.grad(y, x, dy, retain_graph=True),
+        "bf16 grouped GEMM, forward": _bf16_grouped(rows.detach(), dense.transpose(1, 2), offsets),
+        "bf16 grouped GEMM, input gradient": _bf16_grouped(dy, dense, offsets),
+        "bf16 per expert, forward": _per_expert(rows.detach(), dense, bounds),
+    }
+    results = {}
+    for case, fn in cases.items():
+        try:
+            ms = measure(fn, "cuda", repeats=20, warmup=3).median_ms
+        except (RuntimeError, AttributeError) as error:
+            print(f"  {name:8} {case:36} not run: {str(error).splitlines()[0]}")
+            continue
+        results[case] = {"ms": ms, "tflops": flops / ms / 1e9}
+        print(f"  {name:8} {case:36} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
+    for side in ("forward", "input gradient"):
+        ours, bf16 = results.get(f"ours NF4, {side}"), results.get(f"bf16 grouped GEMM, {side}")
+        if ours and bf16:
+            print(
+                f"  {name:8} {side}: ours at {bf16['ms'] / ours['ms']:.0%} of the bf16 grouped GEMM's throughput"
+            )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--tokens", type=int, default=4096)
+    add_json_option(parser)
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    results = {}
+    for shape in args.shapes.split(","):
+        if shape not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+        experts, top_k, hidden, inter = SHAPES[shape]
+        offsets = routed_offsets(args.tokens, experts, top_k, generator)
+        rows = int(offsets[-1])
+        print(
+            f"{shape}: {args.tokens} tokens, top-{top_k} of {experts} experts, {rows} routed rows", flush=True
+        )
+        results[shape] = {}
+        for name, out_features, in_features in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+            weights = 0.02 * torch.randn(experts, out_features, in_features, generator=generator)
+            x = torch.randn(rows, in_features, generator=generator).cuda().bfloat16()
+            results[shape][name] = time_projection(name, x, weights.cuda().bfloat16(), offsets)
+    write_json(args.json, "benchmarks.grouped_nf4", results)
+
+
+if __name__ == "__main__":
+    main()
