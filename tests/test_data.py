@@ -302,6 +302,7 @@ def check_rows(batch, examples):
             seen.append(ids[t])
             t, doc = t + n, doc + 1
         assert all(d == doc for d in docs[t:]) and all(label == MASK for label in labels[t:])
+        assert positions[t:] == list(range(len(ids) - t))
         for u, label in enumerate(labels):
             if label != MASK:
                 assert docs[u + 1] == docs[u] and label == ids[u + 1]
