@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of every family qlora trains (Qwen2, Qwen3, Qwen3.5, Llama, Mistral), written by
+"""Tiny random checkpoints of every family qlora trains (Qwen2, Qwen3, Qwen3.5, their MoE, Llama, Mistral), written by
 transformers itself, with tokenizers of their kind, for tests to load."""
 
 from __future__ import annotations
@@ -162,6 +162,56 @@ def write_qwen3_5(
         _add_mtp_head(folder, text["hidden_size"])
     add_demo_tokenizer(folder)
     shutil.copy(QWEN3_5_TEMPLATE, folder / "chat_template.jinja")
+    return folder
+
+
+# The routed experts in small: 8 experts, 2 a token, each of 32; a shared expert of 48 for Qwen3.5 MoE.
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def write_qwen3_moe(
+    folder: Path, *, vocab_size: int = 160, seed: int = 0, dtype=torch.float32, **overrides
+) -> Path:
+    """Qwen3 MoE: Qwen3's attention with routed experts in every layer but mlp_only_layers (dense
+    SwiGLU of intermediate_size), as Qwen3MoeForCausalLM saves it (each expert's matrices by name)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = {
+        **TINY,
+        **TINY_MOE,
+        "num_hidden_layers": 3,
+        "vocab_size": vocab_size,
+        "head_dim": 24,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+        **overrides,
+    }
+    return _save(Qwen3MoeForCausalLM(Qwen3MoeConfig(**settings)), folder, seed, dtype)
+
+
+def write_qwen3_5_moe(
+    folder: Path, *, layout: str = "text", seed: int = 0, dtype=torch.float32, **overrides
+) -> Path:
+    """Qwen3.5 MoE: Qwen3.5's hybrid layers, each with routed experts and a gated shared expert, as
+    Qwen3_5MoeForCausalLM saves it (layout "text") or under model.language_model. beside a vision tower
+    (layout "vl", Qwen3_5MoeForConditionalGeneration)."""
+    from transformers import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+    )
+
+    text = {k: v for k, v in QWEN3_5_TEXT.items() if k != "intermediate_size"}
+    text = {**text, **TINY_MOE, "shared_expert_intermediate_size": 48, "tie_word_embeddings": False}
+    text = {**text, **overrides}
+    if layout == "text":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text))
+    else:
+        config = Qwen3_5MoeConfig(text_config=text, vision_config=QWEN3_5_VISION)
+        model = Qwen3_5MoeForConditionalGeneration(config)
+    folder = _save(model, folder, seed, dtype)
+    add_demo_tokenizer(folder)
     return folder
 
 

@@ -20,6 +20,7 @@ from qlora_cli.core.names import (
     COMMON_TYPES,
     DATASET_TYPES,
     FALLBACK_TEMPLATE,
+    ROUTED_EXPERT_TARGETS,
     SHIPPED_TEMPLATES,
 )
 from qlora_cli.core.wording import number
@@ -275,7 +276,14 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
     for problem in _dataset_problems(config):
         yield (), problem
     unknown = sorted(set(config.target_modules) - set(ALL_PROJECTIONS))
-    if unknown:
+    experts = [name for name in config.target_modules if name in ROUTED_EXPERT_TARGETS]
+    if experts:
+        yield (
+            ("lora_target_modules",),
+            f"config key 'lora_target_modules': '{experts[0]}' names a MoE model's routed experts, which "
+            "take no LoRA yet (its attention, Gated DeltaNet and shared-expert projections do)",
+        )
+    elif unknown:
         yield (
             ("lora_target_modules",),
             f"config key 'lora_target_modules': unknown module '{unknown[0]}' "

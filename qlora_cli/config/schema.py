@@ -168,6 +168,7 @@ class TrainConfig:
 
     @property
     def target_modules(self) -> list[str]:
+        # Every projection, where a model has it; a MoE layer's routed experts take no LoRA in this step.
         return list(ALL_PROJECTIONS) if self.lora_target_linear else list(self.lora_target_modules)
 
     @property

@@ -10,6 +10,9 @@ sources map each name to what it renders.
 STANDARD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ALL_PROJECTIONS = STANDARD_PROJECTIONS + LINEAR_ATTENTION_PROJECTIONS
+# What a user names a MoE layer's routed experts by (the module, and transformers' fused gate/up
+# parameter): they take no LoRA yet, so a target naming them is refused rather than left untrained.
+ROUTED_EXPERT_TARGETS = ("experts", "gate_up_proj")
 
 # Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads
 # `conversations` with from/value as well as `messages`.

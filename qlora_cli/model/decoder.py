@@ -169,14 +169,20 @@ class QLoRAModel(nn.Module):
                     getattr(self.layers[int(parts[2])], parts[3]).copy_(tensor.float())
             else:
                 layer = self.layers[int(parts[2])]
-                if parts[4] not in layer.group_of:
-                    layer.mixer.load(parts[4], tensor)
-                    continue
-                group = layer.projections[layer.group_of[parts[4]]]
-                if parts[-1] == "bias":
-                    group.set_bias(parts[4], tensor.to(dtype))
+                # Below `model.layers.N.`: `module.projection.weight|bias` for a projection, else the
+                # MLP's own tensors (a MoE layer's router and experts) or the mixer's.
+                local = ".".join(parts[3:])
+                module, projection, kind = local.rsplit(".", 2) if len(parts) > 5 else ("", "", "")
+                if projection in layer.group_of and layer.module_of[projection] == module:
+                    group = layer.projections[layer.group_of[projection]]
+                    if kind == "bias":
+                        group.set_bias(projection, tensor.to(dtype))
+                    else:
+                        group.set_weight(projection, base_format.encode(tensor.to(dtype)))
+                elif parts[3] == "mlp":
+                    layer.mlp.load(local.removeprefix("mlp."), tensor, base_format, dtype)
                 else:
-                    group.set_weight(parts[4], base_format.encode(tensor.to(dtype)))
+                    layer.mixer.load(parts[4], tensor)
         if self.spec.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         self._share_scratch(device, dtype)
@@ -184,6 +190,8 @@ class QLoRAModel(nn.Module):
     def _share_scratch(self, device: torch.device, dtype: torch.dtype) -> None:
         """One weight buffer (dequantized or concatenated) for all layers: they run one at a time."""
         groups = [group for layer in self.layers for group in layer.projections.values()]
+        # A MoE layer's routed experts multiply through the same buffer, one expert at a time.
+        groups += [layer.mlp for layer in self.layers if hasattr(layer.mlp, "scratch_numel")]
         largest = max(group.scratch_numel() for group in groups)
         scratch = torch.empty(largest, dtype=dtype, device=device)
         for group in groups:

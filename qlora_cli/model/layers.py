@@ -2,7 +2,7 @@
 
 fused residual-add + RMSNorm → the mixer → fused residual-add + RMSNorm → the MLP. The mixer is the
 layer kind's (qlora_cli/model/mixers/: attention, or Gated DeltaNet in three of four Qwen3.5 layers);
-the MLP is the dense SwiGLU one (qlora_cli/model/mlps/).
+the MLP is the layer's kind of MLP (qlora_cli/model/mlps/: dense SwiGLU, or routed experts).
 
 What differs by mode is which kernels run an op, never the order (qlora_cli/model/modes.py):
 
@@ -27,9 +27,9 @@ from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LoRAConfig, ProjectionGroup
 from qlora_cli.model.mixers import MIXERS
-from qlora_cli.model.mlps import DenseMLP
+from qlora_cli.model.mlps import MLPS
 from qlora_cli.model.modes import LayerCache
-from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.spec import DENSE_MLP, ModelSpec
 from qlora_kernels.rmsnorm import add_rms_norm
 from qlora_kernels.swiglu import lora_swiglu
 
@@ -37,9 +37,10 @@ from qlora_kernels.swiglu import lora_swiglu
 SALTS_PER_LAYER = 4
 
 
-def layer_groups(kind: str) -> dict[str, tuple[str, ...]]:
-    """The projection groups of a layer of `kind`, in the order it runs them: its mixer's, then the MLP's."""
-    return {**MIXERS[kind].groups, **DenseMLP.groups}
+def layer_groups(kind: str, mlp: str = DENSE_MLP) -> dict[str, tuple[str, ...]]:
+    """The projection groups a layer of `kind` with an MLP of kind `mlp` can have, in the order it runs
+    them: its mixer's, then the MLP's (a layer builds those whose projections its spec has)."""
+    return {**MIXERS[kind].groups, **MLPS[mlp].groups}
 
 
 def shape_problem(spec: ModelSpec) -> str | None:
@@ -68,8 +69,15 @@ class FusedProjections:
         self.groups = layer.projections
         self.dropout_seed = dropout_seed
         self.adapter_scale = adapter_scale
-        down = self.groups["down"]
-        self.fuse_down = "down_proj" in down.lora_A and not (down.dropout and layer.training)
+        down = self.groups["down"] if "down" in self.groups else None  # noqa: SIM401 - a ModuleDict
+        self.fuse_down = (
+            down is not None and "down_proj" in down.lora_A and not (down.dropout and layer.training)
+        )
+
+    @property
+    def skip_down_output(self) -> bool:
+        """In a recompute nothing reads down's output when it is the layer's (the dense MLP's)."""
+        return self.layer.recomputing and self.layer.mlp.down_output_unread_in_recompute
 
     def run(self, op, group, x):
         return timed(
@@ -96,12 +104,12 @@ class FusedProjections:
             group.lora_B.get("up_proj"),
             group.scaling,
             down_a,
-            need_output=not (self.layer.recomputing and self.fuse_down),
+            need_output=not (self.skip_down_output and self.fuse_down),
         )
 
     def down(self, activation, token_offset):
         activation, down_t = activation
-        group, need_output = self.groups["down"], not self.layer.recomputing
+        group, need_output = self.groups["down"], not self.skip_down_output
         if self.fuse_down:
             return timed(Op.DOWN_GEMM, group, activation, need_output=need_output, lora_t=down_t)
         dropout = dict(dropout_seed=self.dropout_seed, token_offset=token_offset)
@@ -118,7 +126,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, lora: LoRAConfig | None, attention_backend: str, index: int = 0):
         super().__init__()
         self.spec = spec
-        self.kind = spec.layer_types[index]
+        self.kind, self.mlp_kind = spec.layer_kinds[index]
         trainable = bool(lora and lora.train_norms)
         h = spec.hidden_size
         self.input_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
@@ -126,9 +134,13 @@ class DecoderLayer(nn.Module):
         # Registered before the projections: parameters() lists the mixer's norms right after the
         # layer's own, the order the optimizer's saved state has.
         self.mixer = MIXERS[self.kind](spec, trainable, attention_backend)
-        self.mlp = DenseMLP(spec)
-        groups = layer_groups(self.kind)
-        shapes = spec.projection_shapes(self.kind)
+        self.mlp = MLPS[self.mlp_kind](spec)
+        shapes = spec.projection_shapes(self.kind, self.mlp_kind)
+        groups = {
+            g: names
+            for g, names in layer_groups(self.kind, self.mlp_kind).items()
+            if all(name in shapes for name in names)
+        }
         self.projections = nn.ModuleDict(
             {
                 g: ProjectionGroup(names, shapes, lora, salt=index * SALTS_PER_LAYER + i)
@@ -140,7 +152,8 @@ class DecoderLayer(nn.Module):
         self.module_of = {
             name: part.checkpoint_module
             for part in (self.mixer, self.mlp)
-            for names in part.groups.values()
+            for g, names in part.groups.items()
+            if g in groups
             for name in names
         }
         self.recomputing = False

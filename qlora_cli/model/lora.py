@@ -15,7 +15,7 @@ from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.model.mixers import MIXERS
-from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.formats import FrozenWeight
 from qlora_kernels.fp8 import FP8Scales
@@ -35,9 +35,12 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
-    def lora_weights_per_layer(self, spec: ModelSpec, kind: str = FULL_ATTENTION) -> int:
-        """LoRA A [r, in] and B [out, r] of each targeted projection of one layer of `kind`."""
-        shapes = spec.projection_shapes(kind)
+    def lora_weights_per_layer(
+        self, spec: ModelSpec, kind: str = FULL_ATTENTION, mlp: str = DENSE_MLP
+    ) -> int:
+        """LoRA A [r, in] and B [out, r] of each targeted projection of one layer of `kind` with an MLP
+        of kind `mlp` (a MoE layer's routed experts take none)."""
+        shapes = spec.projection_shapes(kind, mlp)
         return sum(self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.target_modules)
 
     def trained_weights(self, spec: ModelSpec) -> int:
@@ -45,8 +48,8 @@ class LoRAConfig:
 
         The memory planner and the output_dir's free-space check both count from here."""
         total = spec.hidden_size if self.train_norms else 0
-        for kind in spec.layer_types:
-            total += self.lora_weights_per_layer(spec, kind)
+        for kind, mlp in spec.layer_kinds:
+            total += self.lora_weights_per_layer(spec, kind, mlp)
             if self.train_norms:
                 total += 2 * spec.hidden_size + MIXERS[kind].trained_norm_weights(spec)
         return total

@@ -15,7 +15,7 @@ from qlora_cli.model.lora import LoRAConfig
 from qlora_cli.model.mixers import MIXERS
 from qlora_cli.model.sizes import BF16
 from qlora_cli.model.sliced_mlp import slice_working_bytes
-from qlora_cli.sources.spec import FULL_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, ModelSpec
 from qlora_kernels.formats import NF4
 
 LOSS_WORKING = 400 << 20  # the fused loss's logits chunk and its working set, measured
@@ -38,8 +38,11 @@ def frozen_weight_bytes(spec: ModelSpec) -> int:
     embeddings, and what each layer's mixer holds beside (a Gated DeltaNet layer's fp32 conv weight,
     A_log, dt_bias and norm)."""
     weights = sum(
-        out * inp for kind in spec.layer_types for out, inp in spec.projection_shapes(kind).values()
+        out * inp for kind in spec.layer_kinds for out, inp in spec.projection_shapes(*kind).values()
     )
+    # A MoE layer's routed experts are NF4 as the projections are; its router stays in the compute
+    # dtype, counted at NF4's rate here (E x hidden, small beside the experts).
+    weights += spec.routed_expert_weights()
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     mixer_state = sum(MIXERS[kind].frozen_state_bytes(spec) for kind in spec.layer_types)
     return int(weights * NF4.bytes_per_weight) + embeddings * BF16 + mixer_state
@@ -82,11 +85,13 @@ def recomputed_layer_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     return 0 if offload else checkpointed_activation_bytes(spec, tokens)
 
 
-def kept_layer_bytes(spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTION) -> int:
+def kept_layer_bytes(
+    spec: ModelSpec, shape: RunShape, kind: str = FULL_ATTENTION, mlp: str = DENSE_MLP
+) -> int:
     """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
     backward (kernels.linear, kernels.swiglu)."""
     activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout, kind)
-    return activations + shape.lora.lora_weights_per_layer(spec, kind) * BF16
+    return activations + shape.lora.lora_weights_per_layer(spec, kind, mlp) * BF16
 
 
 def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
@@ -108,7 +113,9 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     rerun = RERUN_ROWS * spec.hidden_size + max(MIXERS[kind].kept_activations(spec) for kind in kinds)
     per_token = rerun + (2 * spec.hidden_size if offload else 0)
     mlp = slice_working_bytes(tokens, spec.intermediate_size)
-    scratch = max(out * inp for kind in kinds for out, inp in spec.projection_shapes(kind).values())
+    scratch = max(
+        out * inp for kind in spec.layer_kinds for out, inp in spec.projection_shapes(*kind).values()
+    )
     mixer = max(MIXERS[kind].backward_working_bytes(spec, tokens) for kind in kinds)
     return int((tokens * per_token + scratch) * BF16) + max(mlp, mixer) + LOSS_WORKING
 
@@ -120,7 +127,7 @@ def fixed_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
 def estimated_peak_bytes(spec: ModelSpec, shape: RunShape, recomputed: int, *, offload: bool = False) -> int:
     """The planner's estimate of a step's peak GPU memory (allocated, not reserved); the first `recomputed`
     layers recompute, the rest keep what their kind saves."""
-    kept = sum(kept_layer_bytes(spec, shape, kind) for kind in spec.layer_types[recomputed:])
+    kept = sum(kept_layer_bytes(spec, shape, *kind) for kind in spec.layer_kinds[recomputed:])
     return (
         fixed_bytes(spec, shape.lora)
         + kept

@@ -48,6 +48,14 @@ class Family:
     hybrid: bool = False
     # The model_type of the family's vision-language class, whose decoder's keys sit under text_config.
     vision_language_type: str | None = None
+    # Routed experts (num_experts, num_experts_per_tok, moe_intermediate_size): whether the family reads
+    # norm_topk_prob (else it always renormalises the top-k weights), which layers are sparse
+    # (decoder_sparse_step, mlp_only_layers; else every layer), and whether a gated shared expert
+    # (shared_expert_intermediate_size) runs beside them.
+    moe: bool = False
+    reads_norm_topk_prob: bool = True
+    reads_sparse_layers: bool = True
+    shared_expert: bool = False
 
     @property
     def text_types(self) -> tuple[str, ...]:
@@ -77,6 +85,24 @@ FAMILIES: tuple[Family, ...] = (
         attention_output_gate=True,
         hybrid=True,
         vision_language_type="qwen3_5",
+    ),
+    Family(("qwen3_moe",), "Qwen3 MoE", "QWEN3MOE", head_dim=128, qk_norm=True, moe=True),
+    Family(
+        ("qwen3_5_moe", "qwen3_5_moe_text"),
+        "Qwen3.5/3.6 MoE",
+        "QWEN35MOE",
+        head_dim=256,
+        qk_norm=True,
+        partial_rotary_factor=0.25,
+        multimodal_rope=True,
+        zero_centred_norms=True,
+        attention_output_gate=True,
+        hybrid=True,
+        vision_language_type="qwen3_5_moe",
+        moe=True,
+        reads_norm_topk_prob=False,
+        reads_sparse_layers=False,
+        shared_expert=True,
     ),
     Family(("llama",), "Llama 3.x", "LLAMA", reads_mlp_bias=True),
     Family(("mistral",), "Mistral", "LLAMA", reads_attention_bias=False, sliding_window=True),

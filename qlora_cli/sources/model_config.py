@@ -14,13 +14,16 @@ from qlora_cli.sources.families import Family, family, unsupported
 from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.rope import rope_config
 from qlora_cli.sources.spec import (
+    DENSE_MLP,
     FULL_ATTENTION,
     LAYER_KIND_TENSORS,
     LINEAR_ATTENTION,
+    MOE_MLP,
     TEXT_LAYOUT,
     VISION_LANGUAGE_LAYOUT,
     LinearAttentionSpec,
     ModelSpec,
+    MoESpec,
 )
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,6 +54,68 @@ def _linear_attention(cfg: dict) -> LinearAttentionSpec:
     if linear.num_value_heads % linear.num_key_heads:
         raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     return linear
+
+
+# Routing and placement settings of other MoE families, which qlora's router does not compute: the key
+# and the values it may hold (a softmax over every expert, top-k, no scale, one device).
+_ROUTING_KEYS = {
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "router_type": ("softmax",),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "ep_size": (None, 1),
+    "expert_parallel_size": (None, 1),
+    "moe_expert_parallel": (None, False),
+    "output_router_logits": (None, False),
+}
+
+
+def _moe(cfg: dict, row: Family, num_layers: int, where: str) -> tuple[tuple[str, ...], MoESpec | None]:
+    """Each layer's MLP kind and the routed experts' dims: a sparse layer is every decoder_sparse_step-th
+    one not in mlp_only_layers (every layer where the family reads neither)."""
+    if not row.moe:
+        return (DENSE_MLP,) * num_layers, None
+    for key, allowed in _ROUTING_KEYS.items():
+        if key in cfg and cfg[key] not in allowed:
+            shown = " or ".join("absent" if a is None else json.dumps(a) for a in allowed)
+            raise QLoraError(
+                f"{where}: {key} {json.dumps(cfg[key])} is not supported for {cfg.get('model_type')} "
+                f"(qlora's router takes a softmax top-k on one device; {key} must be {shown})"
+            )
+    # transformers' Qwen3 MoE config saves num_experts as num_local_experts.
+    experts = cfg.get("num_experts")
+    experts = cfg.get("num_local_experts") if experts is None else experts
+    if experts is None:
+        raise QLoraError(f"{where}: missing the key 'num_experts'")
+    moe = MoESpec(
+        num_experts=int(experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if row.reads_norm_topk_prob else True,
+        shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"])
+        if row.shared_expert
+        else 0,
+    )
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise QLoraError(
+            f"{where}: num_experts_per_tok {moe.top_k} must be between 1 and num_experts {moe.num_experts}"
+        )
+    if not row.reads_sparse_layers:
+        return (MOE_MLP,) * num_layers, moe
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = cfg.get("mlp_only_layers") or []
+    if step < 1:
+        raise QLoraError(f"{where}: decoder_sparse_step must be at least 1, got {step}")
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+        raise QLoraError(
+            f"{where}: mlp_only_layers must list layer indices below {num_layers}, got {dense!r}"
+        )
+    return tuple(
+        MOE_MLP if i not in dense and moe.num_experts > 0 and (i + 1) % step == 0 else DENSE_MLP
+        for i in range(num_layers)
+    ), moe
 
 
 def _decoder_config(cfg: dict, row: Family, where: str) -> tuple[dict, str]:
@@ -88,11 +153,15 @@ def spec_from_config(cfg: dict, where: str = MODEL_CONFIG) -> ModelSpec:
         rope = rope_config(cfg, where, default_partial_rotary_factor=row.partial_rotary_factor)
         qkv_bias = row.reads_attention_bias and bool(cfg.get("attention_bias", row.attention_bias))
         window = cfg.get("sliding_window") if row.sliding_window else None
+        mlp_types, moe = _moe(cfg, row, num_layers, where)
+        # A family whose every layer is sparse may have no intermediate_size: its dense path is the
+        # shared expert.
+        intermediate = cfg.get("intermediate_size") or (moe and moe.shared_expert_intermediate_size)
         spec = ModelSpec(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(intermediate if intermediate is not None else cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -115,6 +184,8 @@ def spec_from_config(cfg: dict, where: str = MODEL_CONFIG) -> ModelSpec:
             zero_centred_norms=row.zero_centred_norms,
             linear_attention=_linear_attention(cfg) if row.hybrid else None,
             layout=layout,
+            mlp_types=mlp_types,
+            moe=moe,
         )
     except KeyError as err:
         raise QLoraError(f"{where}: missing the key {err.args[0]!r}") from None

@@ -1,5 +1,5 @@
 """The shape of a decoder qlora trains, as config.json gives it: the ModelSpec, the Gated DeltaNet dims,
-the layer kinds and where a checkpoint keeps the text decoder's tensors."""
+the mixture-of-experts dims, the layer kinds and where a checkpoint keeps the text decoder's tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from qlora_cli.sources.rope import RopeScaling, rope_frequencies
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+# What a layer's MLP is: the dense SwiGLU one, or routed experts (with a shared expert where the family
+# has one, which runs as the dense one does).
+DENSE_MLP = "dense"
+MOE_MLP = "moe"
 
 # Where the text decoder's tensors sit: at `model.` in a causal LM, under `model.language_model.` in a
 # vision-language checkpoint. Streamed names always use the first.
@@ -48,6 +52,25 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The routed experts of a mixture-of-experts layer: `num_experts` SwiGLU experts of
+    `expert_intermediate_size`, `top_k` of them a token, picked by a softmax router; their weights
+    renormalised to sum to 1 when `norm_topk_prob`. A shared expert of `shared_expert_intermediate_size`
+    (0: none) runs on every token beside them, scaled by sigmoid(shared_expert_gate . x)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+
+    def expert_tensors(self, hidden: int) -> dict[str, tuple[int, int]]:
+        """One expert's projections below `mlp.experts.E.`, with their [out, in] shapes."""
+        i = self.expert_intermediate_size
+        return {"gate_proj": (i, hidden), "up_proj": (i, hidden), "down_proj": (hidden, i)}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The shape of a decoder qlora trains (Qwen2/2.5/3/3.5, Llama 3.x, Mistral), read from config.json.
 
@@ -81,8 +104,17 @@ class ModelSpec:
     zero_centred_norms: bool = False
     linear_attention: LinearAttentionSpec | None = None
     layout: str = TEXT_LAYOUT
+    # Each layer's MLP, DENSE_MLP or MOE_MLP (empty: every layer dense); `moe` sizes the MoE ones.
+    mlp_types: tuple[str, ...] = ()
+    moe: MoESpec | None = None
 
     def __post_init__(self):
+        if not self.mlp_types or (
+            set(self.mlp_types) == {DENSE_MLP} and len(self.mlp_types) != self.num_layers
+        ):
+            object.__setattr__(self, "mlp_types", (DENSE_MLP,) * self.num_layers)
+        if len(self.mlp_types) != self.num_layers:
+            raise ValueError(f"{len(self.mlp_types)} MLP types for {self.num_layers} layers")
         # A spec of attention layers only may be copied with another num_layers (dataclasses.replace);
         # its layer kinds follow. A hybrid's must be given whole.
         if set(self.layer_types) <= {FULL_ATTENTION} and len(self.layer_types) != self.num_layers:
@@ -115,33 +147,74 @@ class ModelSpec:
         `base_model.model.` + this + `layers.N....`, or it loads as missing keys."""
         return DECODER_PREFIX[self.layout]
 
-    def projection_shapes(self, kind: str = FULL_ATTENTION) -> dict[str, tuple[int, int]]:
-        """[out, in] of each projection of a layer of `kind`, under transformers' module names: its
-        mixer's (LAYER_KIND_TENSORS), then the MLP's."""
-        h, i = self.hidden_size, self.intermediate_size
-        mlp = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-        return {**layer_kind_tensors(kind).projections(self), **mlp}
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        """(mixer kind, MLP kind) of each layer."""
+        return tuple(zip(self.layer_types, self.mlp_types, strict=True))
+
+    def dense_mlp_width(self, mlp: str = DENSE_MLP) -> int:
+        """The width of the dense SwiGLU path of an MLP of kind `mlp`: intermediate_size, or a MoE
+        layer's shared expert (0 where it has none)."""
+        if mlp == DENSE_MLP:
+            return self.intermediate_size
+        return self.moe.shared_expert_intermediate_size
+
+    def routed_expert_weights(self) -> int:
+        """The routed experts' weights in all layers, and their routers': what the projections leave out."""
+        if self.moe is None:
+            return 0
+        per_expert = sum(o * i for o, i in self.moe.expert_tensors(self.hidden_size).values())
+        per_layer = self.moe.num_experts * (per_expert + self.hidden_size)
+        return per_layer * self.mlp_types.count(MOE_MLP)
+
+    def projection_shapes(
+        self, kind: str = FULL_ATTENTION, mlp: str = DENSE_MLP
+    ) -> dict[str, tuple[int, int]]:
+        """[out, in] of each projection of a layer of `kind` with an MLP of kind `mlp`, under transformers'
+        module names: its mixer's (LAYER_KIND_TENSORS), then its MLP's. A MoE layer's MLP projections are
+        its shared expert's; its routed experts are no projection (qlora_cli/model/mlps/moe.py)."""
+        h, i = self.hidden_size, self.dense_mlp_width(mlp)
+        mlp_shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)} if i else {}
+        return {**layer_kind_tensors(kind).projections(self), **mlp_shapes}
 
     def projection_names(self) -> tuple[str, ...]:
         """Every projection the model's layers have, in layer order: what LoRA can target in this model."""
-        kinds = dict.fromkeys(self.layer_types)
-        return tuple(dict.fromkeys(name for kind in kinds for name in self.projection_shapes(kind)))
+        kinds = dict.fromkeys(self.layer_kinds)
+        return tuple(dict.fromkeys(name for kind in kinds for name in self.projection_shapes(*kind)))
 
     def layer_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer, named below `model.layers.N.`, with their shapes."""
-        kind = layer_kind_tensors(self.layer_types[layer])
+        kind_name, mlp = self.layer_kinds[layer]
+        kind = layer_kind_tensors(kind_name)
         shapes: dict[str, tuple[int, ...]] = {
             "input_layernorm.weight": (self.hidden_size,),
             "post_attention_layernorm.weight": (self.hidden_size,),
         }
-        projections = self.projection_shapes(self.layer_types[layer])
-        module = {name: "mlp" if name in _MLP else kind.module for name in projections}
+        projections = self.projection_shapes(kind_name, mlp)
+        mlp_module = "mlp.shared_expert" if mlp == MOE_MLP else "mlp"
+        module = {name: mlp_module if name in _MLP else kind.module for name in projections}
         for name, shape in projections.items():
             shapes[f"{module[name]}.{name}.weight"] = shape
         shapes.update({f"{kind.module}.{name}": shape for name, shape in kind.tensors(self).items()})
+        if mlp == MOE_MLP:
+            shapes.update(self.moe_tensors())
         biased = [*kind.biased(self), *(_MLP if self.mlp_bias else ())]
         for name in biased:
-            shapes[f"{module[name]}.{name}.bias"] = (projections[name][0],)
+            if name in projections:
+                shapes[f"{module[name]}.{name}.bias"] = (projections[name][0],)
+        return shapes
+
+    def moe_tensors(self) -> dict[str, tuple[int, ...]]:
+        """A MoE layer's tensors below `model.layers.N.` that are no projection: the router, the shared
+        expert's gate, and each routed expert's projections as a checkpoint stores them one by one
+        (qlora_cli/sources/weights.py reads the fused 3-D form as the same names)."""
+        moe, h = self.moe, self.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (moe.num_experts, h)}
+        if moe.shared_expert_intermediate_size:
+            shapes["mlp.shared_expert_gate.weight"] = (1, h)
+        for expert in range(moe.num_experts):
+            for name, shape in moe.expert_tensors(h).items():
+                shapes[f"mlp.experts.{expert}.{name}.weight"] = shape
         return shapes
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:

@@ -7,6 +7,7 @@ memory stays near one tensor however large the checkpoint is.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,15 +66,33 @@ def _skipped_part(stored: str) -> str | None:
     return next((part for prefix, part in SKIPPED_PARTS.items() if stored.startswith(prefix)), None)
 
 
+# A MoE layer's routed experts stored fused, all experts in one 3-D tensor (as transformers 5 holds them):
+# gate_up_proj [E, 2·I, H] (each expert's gate rows, then its up rows) and down_proj [E, H, I]. Each
+# expert's matrices stream as the per-expert names, read one expert at a time: (name, chunk of chunks).
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+_FUSED_PARTS = {"gate_up_proj": (("gate_proj", 0, 2), ("up_proj", 1, 2)), "down_proj": (("down_proj", 0, 1),)}
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """A per-expert tensor read from a fused one: its `expert`'s matrix, rows split in `chunks`."""
+
+    expert: int
+    chunk: int
+    chunks: int
+
+
 @dataclass(frozen=True)
 class TensorLocations:
     """Where each tensor the spec needs is stored: file → {streamed name: name in the file}, in
     stream order; how many tensors of each skipped part (vision tower, MTP) were left unread, and
-    their stored names file by file (a merged export carries them over)."""
+    their stored names file by file (a merged export carries them over). A routed expert's matrix read
+    from a fused 3-D tensor has its slice in `expert_slices`."""
 
     by_file: dict[Path, dict[str, str]]
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_by_file: dict[Path, list[str]] = field(default_factory=dict)
+    expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -87,13 +106,32 @@ class TensorLocations:
         return f"skipped {parts} of the checkpoint (not trained; qlora trains the text decoder)"
 
 
+def _fused_experts(name: str, spec: ModelSpec) -> tuple[tuple[int, ...], dict[str, ExpertSlice]] | None:
+    """For a fused routed-experts tensor of a MoE layer: its expected shape and the per-expert names it
+    holds, with their slices; None for any other name."""
+    match = _FUSED_EXPERTS.fullmatch(name)
+    if match is None or spec.moe is None:
+        return None
+    prefix, fused = match.groups()
+    experts = spec.moe.num_experts
+    parts: dict[str, ExpertSlice] = {}
+    for expert in range(experts):
+        for proj, chunk, chunks in _FUSED_PARTS[fused]:
+            parts[f"{prefix}.{expert}.{proj}.weight"] = ExpertSlice(expert, chunk, chunks)
+    out, inp = spec.moe.expert_tensors(spec.hidden_size)[_FUSED_PARTS[fused][0][0]]
+    rows = out * len(_FUSED_PARTS[fused])
+    return (experts, rows, inp), parts
+
+
 def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
-    """Read only the headers: every expected tensor present once with its shape, under either layout."""
+    """Read only the headers: every expected tensor present once with its shape, under either layout;
+    routed experts stored per expert or fused."""
     expected = spec.expected_tensors()
     by_file: dict[Path, dict[str, str]] = {}
     stored_as: dict[str, str] = {}
     skipped: dict[str, int] = {}
     skipped_by_file: dict[Path, list[str]] = {}
+    expert_slices: dict[str, ExpertSlice] = {}
     for file in files:
         with _open(file) as f:
             for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -103,6 +141,24 @@ def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
                     skipped_by_file.setdefault(file, []).append(stored)
                     continue
                 name = canonical_name(stored)
+                fused = _fused_experts(name, spec)
+                if fused is not None and next(iter(fused[1])) in expected:
+                    shape, parts = fused
+                    stored_shape = tuple(f.get_slice(stored).get_shape())
+                    if stored_shape != shape:
+                        raise QLoraError(
+                            f"{file.name}: tensor {stored} has shape {list(stored_shape)}, "
+                            f"expected {list(shape)} from config.json"
+                        )
+                    for part_name, piece in parts.items():
+                        if part_name in stored_as:
+                            raise QLoraError(
+                                f"checkpoint holds {part_name} twice, as {stored_as[part_name]} and {stored}"
+                            )
+                        stored_as[part_name] = stored
+                        by_file.setdefault(file, {})[part_name] = stored
+                        expert_slices[part_name] = piece
+                    continue
                 if name not in expected:
                     continue
                 if name in stored_as:
@@ -119,7 +175,7 @@ def check_tensors(files: list[Path], spec: ModelSpec) -> TensorLocations:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise QLoraError(f"checkpoint is missing tensor {missing[0]}{more}")
-    return TensorLocations(by_file, skipped, skipped_by_file)
+    return TensorLocations(by_file, skipped, skipped_by_file, expert_slices)
 
 
 def locate_tensors(folder: Path, spec: ModelSpec) -> TensorLocations:
@@ -129,9 +185,13 @@ def locate_tensors(folder: Path, spec: ModelSpec) -> TensorLocations:
     return check_tensors(shard_files(folder), spec)
 
 
-def _read(f, file: Path, stored: str) -> torch.Tensor:
+def _read(f, file: Path, stored: str, piece: ExpertSlice | None = None) -> torch.Tensor:
     try:
-        return f.get_tensor(stored)
+        if piece is None:
+            return f.get_tensor(stored)
+        # One expert's rows of the fused tensor, then its share of them.
+        matrix = f.get_slice(stored)[piece.expert]
+        return matrix.chunk(piece.chunks, dim=0)[piece.chunk].contiguous()
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise QLoraError(f"{file}: cannot read tensor {stored} (truncated or corrupt?): {err}") from None
 
@@ -139,10 +199,11 @@ def _read(f, file: Path, stored: str) -> torch.Tensor:
 def stream_tensors(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor the spec needs, one at a time, shard by shard, named as a
     causal LM names them (`model.layers.N....`) whatever the checkpoint's layout."""
-    for file, names in locate_tensors(folder, spec).by_file.items():
+    locations = locate_tensors(folder, spec)
+    for file, names in locations.by_file.items():
         with _open(file) as f:
             for name, stored in names.items():
-                yield name, _read(f, file, stored)
+                yield name, _read(f, file, stored, locations.expert_slices.get(name))
 
 
 def stream_checkpoint(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, str | None, torch.Tensor]]:
@@ -150,6 +211,8 @@ def stream_checkpoint(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, str 
     needs and those of the skipped parts (whose second name is None), one at a time, shard by shard: the
     checkpoint in its own layout, for a writer that keeps it."""
     locations = locate_tensors(folder, spec)
+    if locations.expert_slices:
+        raise QLoraError("a checkpoint of fused routed experts cannot be rewritten in its own layout yet")
     for file in dict.fromkeys([*locations.by_file, *locations.skipped_by_file]):
         with _open(file) as f:
             for name, stored in locations.by_file.get(file, {}).items():

@@ -1,0 +1,310 @@
+"""Mixture-of-experts families (Qwen3 MoE, Qwen3.5 MoE) against transformers on tiny random checkpoints:
+logits, greedy generation and LoRA gradients (through PEFT), routed experts stored per expert or fused,
+routing ties, NF4 experts, and the settings qlora refuses in one line."""
+
+import functools
+import json
+
+import pytest
+import torch
+from checkpoints import add_demo_tokenizer, load_transformers, write_qwen3_5_moe, write_qwen3_moe, write_run
+from safetensors.torch import load_file, save_file
+
+from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import QLoraError
+from qlora_cli.generate.decoding import DecodingEngine
+from qlora_cli.generate.sampling import Sampling, generate_ids
+from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.mlps import MoEMLP
+from qlora_cli.rundir.adapter import adapter_state_dict, trainable_tensors
+from qlora_cli.sources.model_config import spec_from_config
+from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP, ModelSpec, MoESpec
+from qlora_cli.train.loop import train
+from qlora_kernels.formats import DENSE, NF4
+
+pytestmark = pytest.mark.usefixtures("reference_ops")
+
+WRITERS = {
+    "qwen3_moe": write_qwen3_moe,
+    "qwen3_5_moe": write_qwen3_5_moe,
+    "qwen3_5_moe-vl": functools.partial(write_qwen3_5_moe, layout="vl"),
+}
+
+
+def _ids(vocab: int, shape=(2, 23), seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _max_error(ours: QLoRAModel, theirs, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (ours(ids) - theirs(input_ids=ids).logits).abs().max().item()
+
+
+def _fuse_experts(folder) -> None:
+    """Rewrite the checkpoint's routed experts in transformers' fused 3-D form: mlp.experts.gate_up_proj
+    [E, 2I, H] (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, H, I]."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    prefixes = sorted({name.split(".experts.")[0] for name in tensors if ".mlp.experts." in name})
+    for prefix in prefixes:
+        experts = len(
+            {n for n in tensors if n.startswith(f"{prefix}.experts.") and n.endswith("down_proj.weight")}
+        )
+        pop = [[tensors.pop(f"{prefix}.experts.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+               for e in range(experts)]  # fmt: skip
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in pop])
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([d for _, _, d in pop])
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+@pytest.mark.parametrize("storage", ["per_expert", "fused"])
+def test_logits_match_transformers(family, storage, tmp_path):
+    """fp32 on the CPU, unquantized: within 1e-4 of transformers, whichever way the experts are stored
+    (transformers reads the per-expert checkpoint; ours reads the same weights fused as well)."""
+    folder = WRITERS[family](tmp_path / "model")
+    theirs = load_transformers(folder)
+    if storage == "fused":
+        _fuse_experts(folder)
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    spec = ours.spec
+    if family == "qwen3_moe":
+        assert spec.mlp_types == (MOE_MLP, DENSE_MLP, MOE_MLP) and spec.moe.norm_topk_prob
+        assert list(ours.layers[0].projections) == ["qkv", "o"]
+        assert list(ours.layers[1].projections) == ["qkv", "o", "gate_up", "down"]
+    else:
+        assert set(spec.mlp_types) == {MOE_MLP} and spec.moe.shared_expert_intermediate_size == 48
+        assert all(list(layer.projections)[-2:] == ["gate_up", "down"] for layer in ours.layers)
+    assert _max_error(ours, theirs, _ids(spec.vocab_size)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_greedy_generation_equals_transformers(family, tmp_path):
+    """Prefill and cached decode steps (the decode-mode projections for the shared expert and the dense
+    layers, one token a row through the router) choose transformers' greedy tokens."""
+    folder = WRITERS[family](tmp_path / "model")
+    theirs = load_transformers(folder)
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    prompts = [_ids(ours.spec.vocab_size, (1, n), seed=n)[0].tolist() for n in (5, 9)]
+    new = 12
+    got = generate_ids(DecodingEngine(ours), prompts, Sampling(max_new_tokens=new), set())
+    for prompt, completion in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt])
+        expected = theirs.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        assert completion.ids == expected
+
+
+def test_routing_ties_go_as_transformers_breaks_them(tmp_path):
+    """A router of zeros ties all experts for every token: torch.topk's order picks them, in transformers
+    and in ours; picking the other tied experts changes the logits past the bound."""
+    folder = write_qwen3_moe(tmp_path / "model")
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith("mlp.gate.weight"):
+            tensors[name].zero_()
+    save_file(tensors, path, metadata={"format": "pt"})
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    assert _max_error(ours, load_transformers(folder), _ids(ours.spec.vocab_size)) < 1e-4
+
+
+def test_the_moe_mlp_sums_each_token_k_times_and_once_each():
+    """The MoE MLP on a few tokens against each token's chosen experts summed one by one (no sort), for
+    k = 1, 2 and all experts: no token dropped or counted twice however the experts' loads fall."""
+    generator = torch.Generator().manual_seed(3)
+    for top_k in (1, 2, 4):
+        spec = ModelSpec(
+            model_type="qwen3_moe", vocab_size=8, hidden_size=16, intermediate_size=24, num_layers=1,
+            num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+            max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, qk_norm=True,
+            dtype=torch.float32, mlp_types=(MOE_MLP,), moe=MoESpec(4, top_k, 8, norm_topk_prob=False),
+        )  # fmt: skip
+        mlp = MoEMLP(spec)
+        dense = {}
+        mlp.load("gate.weight", torch.randn(4, 16, generator=generator), DENSE, torch.float32)
+        for e in range(4):
+            for name, shape in spec.moe.expert_tensors(16).items():
+                dense[e, name] = torch.randn(shape, generator=generator) / 4
+                mlp.load(f"experts.{e}.{name}.weight", dense[e, name], DENSE, torch.float32)
+        h = torch.randn(1, 13, 16, generator=generator, requires_grad=True)
+        out = mlp(h, None, None)
+        probs = torch.softmax(h[0] @ mlp.router.T, -1)
+        expected = []
+        for t in range(13):
+            weights, chosen = torch.topk(probs[t], top_k)
+            row = 0
+            for w, e in zip(weights, chosen.tolist(), strict=True):
+                g, u = h[0, t] @ dense[e, "gate_proj"].T, h[0, t] @ dense[e, "up_proj"].T
+                row = row + w * ((torch.nn.functional.silu(g) * u) @ dense[e, "down_proj"].T)
+            expected.append(row)
+        expected = torch.stack(expected)[None]
+        torch.testing.assert_close(out, expected)
+        grad = torch.autograd.grad(out.square().sum(), h)[0]
+        torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), h)[0])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_lora_gradients_match_peft(family, tmp_path):
+    """LoRA on every projection qlora targets (attention or Gated DeltaNet, dense MLPs, the shared
+    expert; not the routed experts): loss and every LoRA gradient equal transformers + PEFT's, fp32 CPU,
+    so the backward through the router's choices and the experts' scatter is right."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    # Every Qwen3 MoE layer sparse: PEFT turns the gate_proj/up_proj/down_proj targets into its fused
+    # experts' parameters and then leaves a dense layer's (mlp_only_layers) projections unadapted.
+    overrides = {"mlp_only_layers": []} if family == "qwen3_moe" else {}
+    folder = WRITERS[family](tmp_path / "model", **overrides)
+    ours = QLoRAModel.from_pretrained(folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1).train()
+    generator = torch.Generator().manual_seed(2)
+    for layer in ours.layers:
+        for group in layer.projections.values():
+            for b in group.lora_B.values():
+                with torch.no_grad():
+                    b.normal_(0, 0.05, generator=generator)
+    targets = sorted({n for layer in ours.layers for g in layer.projections.values() for n in g.lora_A})
+    assert ("gate_proj" in targets) == (family == "qwen3_5_moe")
+    theirs = get_peft_model(
+        load_transformers(folder), LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    result = set_peft_model_state_dict(theirs, adapter_state_dict(ours))
+    # PEFT takes gate_proj/up_proj/down_proj to adapt transformers' fused experts as well; left at its
+    # zero B they add nothing, as our experts take no LoRA.
+    missing = [k for k in result.missing_keys if "lora_" in k and ".mlp.experts." not in k]
+    assert not missing and not result.unexpected_keys
+    ids = _ids(ours.spec.vocab_size, (2, 17), seed=5)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    loss_sum, count = ours.loss(ids, labels)
+    (loss_sum / count).backward()
+    out = theirs(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert abs(float(loss_sum.detach() / count) - float(out.loss.detach())) < 1e-5
+    params = dict(theirs.named_parameters())
+    # fp32 sums in other orders (the delta rule's chunks above all): 1e-4 of each gradient's scale, as
+    # for dense Qwen3.5, whose worst is 1.4e-5 here (Qwen3.5 MoE's 1.8e-5).
+    for name, tensor in trainable_tensors(ours).items():
+        their_grad = params[name.replace(".weight", ".default.weight")].grad
+        assert (tensor.grad - their_grad).abs().max() < 1e-4 * their_grad.abs().max(), name
+
+
+def test_recomputed_layers_give_the_kept_layers_gradients(tmp_path, monkeypatch):
+    """Every layer recomputed in backward gives the gradients of none recomputed: the rerun produces the
+    shared expert's output, which its gate's gradient reads (a dense MLP's rerun skips down's GEMM). On
+    the Triton kernels in the interpreter: the torch references always produce it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    folder = write_qwen3_5_moe(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
+    grads = []
+    for recomputed in (0, 2):
+        model = QLoRAModel.from_pretrained(
+            folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1, checkpoint_layers=recomputed
+        ).train()
+        generator = torch.Generator().manual_seed(2)
+        for layer in model.layers:
+            for group in layer.projections.values():
+                for b in group.lora_B.values():
+                    with torch.no_grad():
+                        b.normal_(0, 0.05, generator=generator)
+        ids = _ids(model.spec.vocab_size, (2, 17), seed=5)
+        loss_sum, count = model.loss(ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1))
+        (loss_sum / count).backward()
+        grads.append({name: t.grad for name, t in trainable_tensors(model).items()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_experts_are_quantized_one_by_one_to_nf4_and_the_router_is_not(tmp_path):
+    folder = write_qwen3_moe(tmp_path / "model")
+    ours = QLoRAModel.from_pretrained(folder, quantize=True).eval()
+    mlp = ours.layers[0].mlp
+    assert all(NF4.recognises(w) for expert in mlp.experts for w in expert)
+    assert mlp.router.dtype == torch.float32 and not NF4.recognises(mlp.router)
+    # NF4's error on the experts and the rest, not a routing mistake: near transformers' logits.
+    theirs = load_transformers(folder)
+    ids = _ids(ours.spec.vocab_size)
+    with torch.no_grad():
+        logits = theirs(input_ids=ids).logits
+        assert (ours(ids) - logits).abs().max().item() < 0.5 * logits.abs().max().item()
+
+
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("keys", "line"),
+    [
+        ({"scoring_func": "sigmoid"}, 'scoring_func "sigmoid" is not supported for qwen3_moe'),
+        ({"router_type": "noisy"}, 'router_type "noisy" is not supported for qwen3_moe'),
+        ({"ep_size": 4}, "ep_size 4 is not supported for qwen3_moe"),
+        ({"n_group": 8}, "n_group 8 is not supported"),
+        ({"output_router_logits": True}, "output_router_logits true is not supported"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be between 1 and num_experts 4"),
+        ({"mlp_only_layers": [2]}, "mlp_only_layers must list layer indices below 2"),
+    ],
+)
+def test_unsupported_moe_settings_are_one_line_naming_the_key(keys, line):
+    with pytest.raises(QLoraError) as refused:
+        spec_from_config({**QWEN3_MOE, **keys})
+    message = str(refused.value)
+    assert line in message and "\n" not in message
+
+
+def test_num_local_experts_and_the_sparse_step_are_read():
+    spec = spec_from_config({**QWEN3_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": None,
+                             "num_local_experts": 4})  # fmt: skip
+    assert spec.mlp_types == (DENSE_MLP, MOE_MLP, DENSE_MLP, MOE_MLP) and spec.moe.num_experts == 4
+    assert not spec.moe.norm_topk_prob
+    assert json.dumps(spec.projection_names()) == json.dumps(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+TRAIN_WRITERS = {
+    "qwen3_moe": lambda folder: add_demo_tokenizer(write_qwen3_moe(folder, vocab_size=1024)),
+    "qwen3_5_moe": write_qwen3_5_moe,
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRAIN_WRITERS))
+def test_trains_with_packing_and_recompute(family, tmp_path):
+    """qlora train on NF4 experts, LoRA on every projection the model has, every layer recomputed (the
+    shared expert's output is produced in the rerun, since its gate reads it): the loss falls and the
+    adapter holds no routed expert."""
+    path = write_run(
+        tmp_path / "run", model_writer=TRAIN_WRITERS[family], rows=12, sequence_len=96, sample_packing=True,
+        learning_rate=3e-3, max_steps=6, gradient_checkpointing=True, lora_target_linear=True,
+    )  # fmt: skip
+    result = train(load_config(path))
+    lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
+    losses = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    assert len(losses) == 6 and max(losses[-2:]) < min(losses[:2])
+    adapter = load_file(result.output_dir / "adapter_model.safetensors")
+    assert adapter and not [name for name in adapter if ".experts." in name]
+    assert any(".mlp.shared_expert." in name for name in adapter) == (family == "qwen3_5_moe")
+
+
+@pytest.mark.parametrize(
+    ("keys", "line"),
+    [
+        (
+            {"lora_target_modules": ["q_proj", "experts"]},
+            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts, which take no "
+            "LoRA yet (its attention, Gated DeltaNet and shared-expert projections do)",
+        ),
+        (
+            {"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
+            "config key 'lora_target_parameters' is not supported: a MoE model's routed experts take no "
+            "LoRA yet: remove it",
+        ),
+    ],
+)
+def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, run_cli):
+    path = write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4, **keys)
+    code, _, err = run_cli("train", path)
+    lines = [text for text in err.splitlines() if text.strip()]
+    assert code == 2 and len(lines) == 1 and line in lines[0], err
