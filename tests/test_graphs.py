@@ -32,19 +32,20 @@ def test_graphs_need_a_cuda_device():
 
 
 @pytest.mark.parametrize(
-    "device, world_size, settings, reason",
+    "device, world_size, settings, mlp_kinds, reason",
     [
-        (torch.device("cpu"), 1, {}, "need a CUDA device"),
-        (CUDA, 2, {}, "DDP's hooks"),
-        (CUDA, 1, {"sample_packing": False}, "width changes"),
-        (CUDA, 1, {"lora_dropout": 0.1}, None),
-        (CUDA, 1, {}, None),
+        (torch.device("cpu"), 1, {}, (), "need a CUDA device"),
+        (CUDA, 2, {}, (), "DDP's hooks"),
+        (CUDA, 1, {"sample_packing": False}, (), "width changes"),
+        (CUDA, 1, {}, ("dense", "moe", "dense"), "mixture-of-experts MLP reads"),
+        (CUDA, 1, {"lora_dropout": 0.1}, (), None),
+        (CUDA, 1, {}, ("dense", "dense"), None),
     ],
-    ids=["cpu", "two-processes", "no-packing", "dropout-replayable", "replayable"],
+    ids=["cpu", "two-processes", "no-packing", "moe", "dropout-replayable", "replayable"],
 )
-def test_what_blocks_cuda_graphs(tmp_path, device, world_size, settings, reason):
+def test_what_blocks_cuda_graphs(tmp_path, device, world_size, settings, mlp_kinds, reason):
     config = load_config(write_run(tmp_path, **{"sample_packing": True, **settings}))
-    blocker = cuda_graph_blocker(config, device, world_size)
+    blocker = cuda_graph_blocker(config, device, world_size, mlp_kinds)
     if reason is None:
         assert blocker is None
     else:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.lora import ProjectionGroup
+from qlora_cli.model.mlps import mlp_graph_blocker
 from qlora_cli.model.modes import DecodeRows, PrefillRows
 from qlora_kernels.formats import frozen_format
 from qlora_kernels.nf4_matvec import nf4_matvec
@@ -232,7 +233,9 @@ class DecodingEngine:
         self.decoder = Decoder(model)
         self.max_positions = model.spec.max_position_embeddings
         device = self.decoder.device
-        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda" and mlp_graph_blocker(model.spec.mlp_types) is None
+        self.cuda_graphs = cuda_graphs
         self._prepared: dict[int, tuple[KVCache, StepFn]] = {}
 
     def prepare(self, batch: int, tokens: int) -> tuple[KVCache, StepFn]:

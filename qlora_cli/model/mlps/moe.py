@@ -43,6 +43,8 @@ class MoEMLP(nn.Module):
 
     groups = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
     checkpoint_module = "mlp.shared_expert"
+    # The tokens each expert got are read back to split the rows among the experts' GEMMs.
+    graph_blocker = "a mixture-of-experts MLP reads how many tokens each expert got on the host"
     # The shared expert's output is read after its down projection (scaled by its gate and added to the
     # experts'), so a recompute must produce it.
     down_output_unread_in_recompute = False
