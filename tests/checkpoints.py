@@ -29,6 +29,25 @@ TINY = dict(
 )
 
 
+# A tiny Llama-shaped spec, for tests of one layer or one seam without a checkpoint.
+TINY_SPEC = ModelSpec(
+    model_type="llama",
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    qk_norm=False,
+    dtype=torch.float32,
+)
+
 # Qwen2.5-7B's shape, for tests that need real sizes without a checkpoint on disk.
 QWEN25_7B = ModelSpec(
     model_type="qwen2",

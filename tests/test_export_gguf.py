@@ -15,6 +15,7 @@ for another CPU dies of an Illegal instruction, which must fail its tests with a
 end the pytest session.
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -27,6 +28,7 @@ import pytest
 import torch
 from checkpoints import (
     REPO_ROOT,
+    TINY_SPEC,
     load_transformers,
     subprocess_env,
     write_llama,
@@ -805,24 +807,7 @@ class _DoubledTensors(KindTensors):
 
 
 def _spec_with_layer_kind(kind: str) -> ModelSpec:
-    return ModelSpec(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        dtype=torch.float32,
-        layer_types=("full_attention", kind),
-    )
+    return dataclasses.replace(TINY_SPEC, num_layers=2, layer_types=("full_attention", kind))
 
 
 def test_a_layer_kind_gets_its_gguf_form_through_the_registry_alone(monkeypatch):

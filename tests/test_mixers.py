@@ -1,15 +1,18 @@
 """The layer-kind seam: a mixer registered for a kind is all a decoder layer needs to run that kind."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import TINY_SPEC
 from torch import nn
 
 from qlora_cli.core.ops import Op
 from qlora_cli.model import LoRAConfig
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.mixers import MIXERS
-from qlora_cli.sources.spec import LAYER_KIND_TENSORS, LayerKindTensors, ModelSpec
+from qlora_cli.sources.spec import LAYER_KIND_TENSORS, LayerKindTensors
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
@@ -47,24 +50,7 @@ def test_a_layer_kind_plugs_in_through_the_mixer_registry(monkeypatch):
             lambda spec: (),
         ),
     )
-    spec = ModelSpec(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        dtype=torch.float32,
-        layer_types=("scaled_projection",),
-    )
+    spec = dataclasses.replace(TINY_SPEC, layer_types=("scaled_projection",))
     assert set(spec.layer_tensors(0)) == {
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
