@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.command import export
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -308,3 +309,46 @@ def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, ru
     code, _, err = run_cli("train", path)
     lines = [text for text in err.splitlines() if text.strip()]
     assert code == 2 and len(lines) == 1 and line in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """A run of each MoE family, 2 steps of LoRA on every projection it has, NF4 base."""
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")  # module-scoped: set up before the reference_ops fixture
+        for family, writer in TRAIN_WRITERS.items():
+            runs[family] = _train_briefly(tmp_path_factory.mktemp(family), writer)
+    return runs
+
+
+def _train_briefly(folder, writer):
+    path = write_run(
+        folder / "run", model_writer=writer, rows=8, sequence_len=96, learning_rate=3e-3, max_steps=2,
+        lora_target_linear=True,
+    )  # fmt: skip
+    return train(load_config(path)).output_dir
+
+
+@pytest.mark.parametrize("family", sorted(TRAIN_WRITERS))
+def test_merged_nf4_export_loads_in_transformers_as_our_quantized_model(family, trained_runs, tmp_path):
+    """--merged --base nf4: the routed experts round-trip NF4 as every projection does (expert by expert,
+    as stored), the router and shared expert gate stay as they are, LoRA merges into the shared expert
+    and attention; transformers' logits on it equal our quantized model's with the adapter."""
+    from checkpoints import load_transformers as load
+
+    from qlora_cli.generate.source import load_source
+
+    run = trained_runs[family]
+    out = export(run, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
+    ours = load_source(run, device="cpu").model.eval()
+    ids = _ids(ours.spec.vocab_size)
+    assert any(
+        group.lora_B[n].abs().max() > 0 for group in ours.layers[0].projections.values() for n in group.lora_B
+    )
+    assert _max_error(ours, load(out), ids) < 1e-4
+
+
+def test_gguf_export_of_a_moe_is_one_line(trained_runs, tmp_path):
+    with pytest.raises(QLoraError, match="routed experts are not written to GGUF yet"):
+        export(trained_runs["qwen3_moe"], tmp_path / "gguf", gguf=True)
