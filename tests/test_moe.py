@@ -2,6 +2,7 @@
 logits, greedy generation and LoRA gradients (through PEFT), routed experts stored per expert or fused,
 routing ties, NF4 experts, and the settings qlora refuses in one line."""
 
+import dataclasses
 import functools
 import json
 
@@ -352,3 +353,21 @@ def test_merged_nf4_export_loads_in_transformers_as_our_quantized_model(family, 
 def test_gguf_export_of_a_moe_is_one_line(trained_runs, tmp_path):
     with pytest.raises(QLoraError, match="routed experts are not written to GGUF yet"):
         export(trained_runs["qwen3_moe"], tmp_path / "gguf", gguf=True)
+
+
+def test_cuda_graphs_are_off_for_a_moe(tmp_path):
+    """Its token counts per expert come back to the host: training's graphs are blocked (auto falls back
+    to op by op, true names why), and decoding's engine does not capture its step."""
+    from qlora_cli.train.graphs import MOE_BLOCKER, cuda_graph_blocker
+
+    config = load_config(write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4,
+                                   sample_packing=True))  # fmt: skip
+    cuda = torch.device("cuda")
+    assert cuda_graph_blocker(config, cuda, 1) is None
+    assert cuda_graph_blocker(config, cuda, 1, moe=True) == MOE_BLOCKER
+    from qlora_cli.generate.decoding import captures_step
+
+    model = QLoRAModel.from_pretrained(tmp_path / "run" / "model", quantize=False)
+    assert not captures_step(model, cuda) and not DecodingEngine(model).cuda_graphs
+    dense = dataclasses.replace(model.spec, mlp_types=(), moe=None)
+    assert captures_step(type("Dense", (), {"spec": dense})(), cuda)

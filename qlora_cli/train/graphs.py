@@ -30,10 +30,21 @@ from qlora_kernels.cross_entropy import check_labels_in_vocab
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: int) -> str | None:
-    """Why this run cannot replay its micro-batches as CUDA graphs, or None."""
+# Why a mixture-of-experts model's step is not captured (qlora_cli/model/mlps/moe.py).
+MOE_BLOCKER = (
+    "a MoE layer splits its tokens by expert in counts read back to the host, which a graph does not replay"
+)
+
+
+def cuda_graph_blocker(
+    config: TrainConfig, device: torch.device, world_size: int, moe: bool = False
+) -> str | None:
+    """Why this run cannot replay its micro-batches as CUDA graphs, or None; `moe`: the model has
+    routed experts."""
     if device.type != "cuda":
         return f"they need a CUDA device and this run trains on {device.type}"
+    if moe:
+        return MOE_BLOCKER
     if world_size > 1:
         return "several processes exchange gradients through DDP's hooks, which a graph does not replay"
     if not config.sample_packing:
@@ -42,13 +53,18 @@ def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: in
 
 
 def graphed_loss_for(
-    config: TrainConfig, loss_fn: LossFn, device: torch.device, vocab_size: int, world_size: int
+    config: TrainConfig,
+    loss_fn: LossFn,
+    device: torch.device,
+    vocab_size: int,
+    world_size: int,
+    moe: bool = False,
 ) -> GraphedLoss | None:
     """What `cuda_graphs` asks for: `auto` replays graphs where the run allows them, `true` insists
     (an error names what stands in the way), `false` launches op by op."""
     if config.cuda_graphs is False:
         return None
-    blocker = cuda_graph_blocker(config, device, world_size)
+    blocker = cuda_graph_blocker(config, device, world_size, moe)
     if blocker is None:
         return GraphedLoss(loss_fn, device, vocab_size)
     if config.cuda_graphs is True:

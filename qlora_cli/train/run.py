@@ -146,7 +146,8 @@ def build_run(
     loss_module = dist.wrap(model, objective)
     graphed = None
     if not eager:
-        graphed = graphed_loss_for(config, loss_module, dist.device, spec.vocab_size, dist.world_size)
+        moe = spec.moe is not None
+        graphed = graphed_loss_for(config, loss_module, dist.device, spec.vocab_size, dist.world_size, moe)
     return Run(
         config=config,
         device=dist.device,
