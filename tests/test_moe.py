@@ -371,3 +371,20 @@ def test_cuda_graphs_are_off_for_a_moe(tmp_path):
     assert not captures_step(model, cuda) and not DecodingEngine(model).cuda_graphs
     dense = dataclasses.replace(model.spec, mlp_types=(), moe=None)
     assert captures_step(type("Dense", (), {"spec": dense})(), cuda)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_the_planners_counts_are_the_models(family, tmp_path):
+    """What the optimizer and the free-space check count (LoRAConfig.trained_weights) is what the model
+    trains, per (mixer, MLP) kind; the frozen bytes count every routed expert at NF4's rate."""
+    from qlora_cli.model.planner import frozen_weight_bytes
+
+    folder = WRITERS[family](tmp_path / "model")
+    lora = LoRAConfig(r=4, train_norms=True)
+    model = QLoRAModel.from_pretrained(folder, quantize=True, lora=lora)
+    assert lora.trained_weights(model.spec) == sum(p.numel() for p in model.trainable_parameters())
+    experts = sum(w.shape.numel() for layer in model.layers if hasattr(layer.mlp, "experts")
+                  for expert in layer.mlp.experts for w in expert)  # fmt: skip
+    spec = model.spec
+    expertless = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=0))
+    assert frozen_weight_bytes(spec) - frozen_weight_bytes(expertless) >= experts * NF4.bytes_per_weight
