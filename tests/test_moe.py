@@ -2,6 +2,7 @@
 logits, greedy generation and LoRA gradients (through PEFT), routed experts stored per expert or fused,
 routing ties, NF4 experts, and the settings qlora refuses in one line."""
 
+import dataclasses
 import functools
 import json
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.command import export
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -308,3 +310,80 @@ def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, ru
     code, _, err = run_cli("train", path)
     lines = [text for text in err.splitlines() if text.strip()]
     assert code == 2 and len(lines) == 1 and line in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """A run of each MoE family, 2 steps of LoRA on every projection it has, NF4 base."""
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")  # module-scoped: set up before the reference_ops fixture
+        for family, writer in TRAIN_WRITERS.items():
+            runs[family] = _train_briefly(tmp_path_factory.mktemp(family), writer)
+    return runs
+
+
+def _train_briefly(folder, writer):
+    path = write_run(
+        folder / "run", model_writer=writer, rows=8, sequence_len=96, learning_rate=3e-3, max_steps=2,
+        lora_target_linear=True,
+    )  # fmt: skip
+    return train(load_config(path)).output_dir
+
+
+@pytest.mark.parametrize("family", sorted(TRAIN_WRITERS))
+def test_merged_nf4_export_loads_in_transformers_as_our_quantized_model(family, trained_runs, tmp_path):
+    """--merged --base nf4: the routed experts round-trip NF4 as every projection does (expert by expert,
+    as stored), the router and shared expert gate stay as they are, LoRA merges into the shared expert
+    and attention; transformers' logits on it equal our quantized model's with the adapter."""
+    from checkpoints import load_transformers as load
+
+    from qlora_cli.generate.source import load_source
+
+    run = trained_runs[family]
+    out = export(run, tmp_path / "merged", merged=True, base="nf4", dtype="float32").out
+    ours = load_source(run, device="cpu").model.eval()
+    ids = _ids(ours.spec.vocab_size)
+    assert any(
+        group.lora_B[n].abs().max() > 0 for group in ours.layers[0].projections.values() for n in group.lora_B
+    )
+    assert _max_error(ours, load(out), ids) < 1e-4
+
+
+def test_gguf_export_of_a_moe_is_one_line(trained_runs, tmp_path):
+    with pytest.raises(QLoraError, match="routed experts are not written to GGUF yet"):
+        export(trained_runs["qwen3_moe"], tmp_path / "gguf", gguf=True)
+
+
+def test_cuda_graphs_are_off_for_a_moe(tmp_path):
+    """Its token counts per expert come back to the host: training's graphs are blocked (auto falls back
+    to op by op, true names why), and decoding's engine does not capture its step."""
+    from qlora_cli.generate.decoding import captures_step
+    from qlora_cli.train.graphs import cuda_graph_blocker
+
+    config = load_config(write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4,
+                                   sample_packing=True))  # fmt: skip
+    cuda = torch.device("cuda")
+    model = QLoRAModel.from_pretrained(tmp_path / "run" / "model", quantize=False)
+    assert cuda_graph_blocker(config, cuda, 1) is None
+    assert "mixture-of-experts" in cuda_graph_blocker(config, cuda, 1, model.spec.mlp_types)
+    assert not captures_step(model, cuda) and not DecodingEngine(model).cuda_graphs
+    dense = dataclasses.replace(model.spec, mlp_types=(), moe=None)
+    assert captures_step(type("Dense", (), {"spec": dense})(), cuda)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_the_planners_counts_are_the_models(family, tmp_path):
+    """What the optimizer and the free-space check count (LoRAConfig.trained_weights) is what the model
+    trains, per (mixer, MLP) kind; the frozen bytes count every routed expert at NF4's rate."""
+    from qlora_cli.model.planner import frozen_weight_bytes
+
+    folder = WRITERS[family](tmp_path / "model")
+    lora = LoRAConfig(r=4, train_norms=True)
+    model = QLoRAModel.from_pretrained(folder, quantize=True, lora=lora)
+    assert lora.trained_weights(model.spec) == sum(p.numel() for p in model.trainable_parameters())
+    experts = sum(w.shape.numel() for layer in model.layers if hasattr(layer.mlp, "experts")
+                  for expert in layer.mlp.experts for w in expert)  # fmt: skip
+    spec = model.spec
+    expertless = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=0))
+    assert frozen_weight_bytes(spec) - frozen_weight_bytes(expertless) >= experts * NF4.bytes_per_weight
