@@ -1,9 +1,10 @@
 """Each Triton kernel against the torch eager composition it replaces, forward + backward, at Qwen2.5-7B shapes
 (Qwen3.5-9B shapes for the Qwen3.5 variants).
 
-Usage: python -m benchmarks.kernels [--tokens 8192] [--markdown FILE] [--json FILE]
+Usage: python -m benchmarks.kernels [--tokens 8192] [--only NAME ...] [--markdown FILE] [--json FILE]
 Prints one row per kernel: median time (CUDA events, qlora_cli/profiler/timing.py) and peak extra
-memory for ours and for torch, and the ratio; --json also keeps each side's fastest call.
+memory for ours and for torch, and the ratio; --json also keeps each side's fastest call. --only keeps
+the kernels whose names contain one of the given words (e.g. --only conv1d).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from benchmarks.output import add_json_option, write_json
 from qlora_cli.core.console import OutputConsole
 from qlora_cli.profiler.timing import Timing, measure
 from qlora_kernels.attention import attention
+from qlora_kernels.conv1d import causal_conv1d, causal_conv1d_reference
 from qlora_kernels.cross_entropy import linear_cross_entropy
 from qlora_kernels.linear import lora_linear
 from qlora_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
@@ -31,6 +33,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, RANK = 3584, 18944, 28, 4, 128,
 BF16 = torch.bfloat16
 # Qwen3.5-9B: full attention 16 heads (4 kv) of 256 dims, 64 of them rotary; Gated DeltaNet 32 value heads of 128.
 Q35_HEADS, Q35_KV_HEADS, Q35_HEAD_DIM, Q35_ROTARY, Q35_V_HEADS, Q35_V_DIM = 16, 4, 256, 64, 32, 128
+# Its short convolution runs over q, k and v of the delta rule: 2 * 16 key heads of 128 + 32 value heads of 128.
+Q35_CONV_CHANNELS, Q35_CONV_WIDTH = 2 * 16 * 128 + Q35_V_HEADS * Q35_V_DIM, 4
 
 
 def time_and_memory(fn: Callable[[], None]) -> tuple[Timing, float]:
@@ -91,6 +95,13 @@ def qwen3_5_cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
     attn = leaf(batch, seq, Q35_HEADS, Q35_HEAD_DIM)
     o, z = leaf(batch, seq, Q35_V_HEADS, Q35_V_DIM), leaf(batch, seq, Q35_V_HEADS, Q35_V_DIM)
     v_weight = torch.ones(Q35_V_DIM, device="cuda", dtype=torch.float32)
+    conv_x = leaf(batch, seq, Q35_CONV_CHANNELS)
+    conv_weight = leaf(Q35_CONV_CHANNELS, Q35_CONV_WIDTH, scale=0.5)
+    conv_docs = (torch.arange(seq, device="cuda") // 700).expand(batch, seq)
+    conv_args = (conv_x, conv_weight, None, conv_docs)
+    conv_dy = torch.randn_like(conv_x)
+    # Backward alone: one forward kept, its graph retained, so the profile's conv1d_bwd row is timed by itself.
+    conv_y, conv_ref = causal_conv1d(*conv_args), causal_conv1d_reference(*conv_args)
     return {
         "qwen3.5 qk-norm + partial rope": (
             fwd_bwd(
@@ -109,6 +120,14 @@ def qwen3_5_cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
         "qwen3.5 gated rms_norm": (
             fwd_bwd(lambda: gated_rms_norm(o, z, v_weight, 1e-6).float().sum(), [o, z]),
             fwd_bwd(lambda: gated_rms_norm_reference(o, z, v_weight, 1e-6).float().sum(), [o, z]),
+        ),
+        "qwen3.5 conv1d + silu forward": (
+            lambda: causal_conv1d(*conv_args),
+            lambda: causal_conv1d_reference(*conv_args),
+        ),
+        "qwen3.5 conv1d + silu backward": (
+            lambda: torch.autograd.grad(conv_y, (conv_x, conv_weight), conv_dy, retain_graph=True),
+            lambda: torch.autograd.grad(conv_ref, (conv_x, conv_weight), conv_dy, retain_graph=True),
         ),
     }
 
@@ -197,6 +216,7 @@ def cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--only", nargs="+", help="only kernels whose names contain one of these")
     parser.add_argument("--markdown", help="also write the table as Markdown here")
     add_json_option(parser)
     args = parser.parse_args()
@@ -210,6 +230,8 @@ def main() -> None:
         table.add_column(column, justify="left" if column == "kernel" else "right")
     rows, results = [], {}
     for name, (ours, theirs) in (cases(args.tokens) | qwen3_5_cases(args.tokens)).items():
+        if args.only and not any(part in name for part in args.only):
+            continue
         ours_time, ours_gib = time_and_memory(ours)
         torch_time, torch_gib = time_and_memory(theirs)
         ours_ms, torch_ms = ours_time.median_ms, torch_time.median_ms

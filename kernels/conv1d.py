@@ -170,6 +170,7 @@ if TRITON_AVAILABLE:
         dbias_partial_ptr,
         seq,
         channels,
+        chunk,
         x_stride_b,
         x_stride_t,
         docs_stride_b,
@@ -179,72 +180,98 @@ if TRITON_AVAILABLE:
         WIDTH: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         SILU: tl.constexpr,
-        BLOCK_T: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        """dx[t] gathers dz[t+s] for the K outputs that read x[t] (recomputing their z, never stored);
-        dW and dbias are summed per tile into partials, added up by the launcher in a fixed order."""
+        """Walks `chunk` tokens of BLOCK_C channels backwards in time, one token row at a time, with the
+        last WIDTH inputs and the next WIDTH-1 pre-activation gradients dz in registers: each z is
+        computed once and each x and dy row read once (a tile of tokens would recompute z for every
+        tap, K times, and spilled at 255 registers on sm_90). The walk starts at least 2(WIDTH-1)
+        rows past the chunk, rounded up to whole loads of ROWS rows: the first rows only fill the
+        input window, the last WIDTH-1 of them give the dz that the chunk's last dx rows read. All
+        ROWS rows of a load are issued before any is used, so their latencies overlap. dW and dbias
+        add up in fp32 registers and are stored once, as this program's partial."""
+        chunk_id = tl.program_id(1)
         batch = tl.program_id(2).to(tl.int64)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < channels
-        t_mask = t < seq
         x_ptr += batch * x_stride_b
         docs_ptr += batch * docs_stride_b
         dy_ptr += batch * dy_stride_b
-        doc = tl.load(docs_ptr + t * docs_stride_t, mask=t_mask, other=-1)
-        partial = (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
-        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for s in tl.static_range(WIDTH):
-            rows = t + s
-            rows_ok = rows < seq
-            z = _conv_preactivation(
-                x_ptr,
-                w_ptr,
-                bias_ptr,
-                docs_ptr,
-                rows,
-                c,
-                seq,
-                channels,
-                x_stride_t,
-                docs_stride_t,
-                WIDTH,
-                HAS_BIAS,
-                BLOCK_T,
-                BLOCK_C,
-            )
-            dz = tl.load(
-                dy_ptr + rows[:, None] * dy_stride_t + c[None, :],
-                mask=rows_ok[:, None] & c_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            if SILU:
-                sig = tl.sigmoid(z)
-                dz = dz * sig * (1.0 + z * (1.0 - sig))
-            if s == 0:
+        start = chunk_id * chunk
+        end = tl.minimum(start + chunk, seq)
+        steps = tl.cdiv(end - start + 2 * (WIDTH - 1), ROWS)
+        top = start + steps * ROWS - 1
+        # Tap j multiplies x[t - j]; xs[j] = x[r - j] and docs[i] = doc[r + WIDTH - 1 - i] at row r.
+        w = ()
+        xs = ()
+        grad_w = ()
+        for j in tl.static_range(WIDTH):
+            w += (tl.load(w_ptr + c * WIDTH + (WIDTH - 1 - j), mask=c_mask, other=0.0).to(tl.float32),)
+            xs += (tl.zeros([BLOCK_C], dtype=tl.float32),)
+            grad_w += (tl.zeros([BLOCK_C], dtype=tl.float32),)
+        dzs = ()
+        for _ in tl.static_range(WIDTH - 1):
+            dzs += (tl.zeros([BLOCK_C], dtype=tl.float32),)
+        docs = ()
+        for _ in tl.static_range(2 * WIDTH - 1):
+            docs += (tl.full([], -1, tl.int32),)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        grad_bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for step in tl.range(0, steps):
+            high = top - step * ROWS
+            new_x = ()
+            new_doc = ()
+            dys = ()
+            for k in tl.static_range(ROWS):
+                row = high - k
+                src = row - (WIDTH - 1)
+                # Rows outside [0, seq) are read clamped, under document -1, which no token has: the
+                # document tests below drop them from every z and dx, and they are never owned.
+                src_row = tl.minimum(tl.maximum(src, 0), seq - 1).to(tl.int64)
+                new_x += (tl.load(x_ptr + src_row * x_stride_t + c, mask=c_mask, other=0.0),)
+                new_doc += (
+                    tl.where((src >= 0) & (src < seq), tl.load(docs_ptr + src_row * docs_stride_t), -1),
+                )
+                dy_row = tl.minimum(row, seq - 1).to(tl.int64)
+                dys += (tl.load(dy_ptr + dy_row * dy_stride_t + c, mask=c_mask, other=0.0),)
+            for k in tl.static_range(ROWS):
+                row = high - k
+                xs = xs[1:] + (new_x[k].to(tl.float32),)
+                docs = docs[1:] + (new_doc[k],)
+                doc = docs[WIDTH - 1]
+                z = bias
+                seen = ()
                 for j in tl.static_range(WIDTH):
-                    src = t - j
-                    src_ok = t_mask & (src >= 0)
-                    src_doc = tl.load(docs_ptr + src * docs_stride_t, mask=src_ok, other=-2)
-                    ok = src_ok & (src_doc == doc)
-                    x = tl.load(
-                        x_ptr + src[:, None] * x_stride_t + c[None, :],
-                        mask=ok[:, None] & c_mask[None, :],
-                        other=0.0,
-                    ).to(tl.float32)
-                    tl.store(
-                        dw_partial_ptr + (partial * channels + c) * WIDTH + (WIDTH - 1 - j),
-                        tl.sum(dz * x, axis=0),
-                        mask=c_mask,
-                    )
-                if HAS_BIAS:
-                    tl.store(dbias_partial_ptr + partial * channels + c, tl.sum(dz, axis=0), mask=c_mask)
-            rows_doc = tl.load(docs_ptr + rows * docs_stride_t, mask=rows_ok, other=-2)
-            w = tl.load(w_ptr + c * WIDTH + (WIDTH - 1 - s), mask=c_mask, other=0.0).to(tl.float32)
-            dx += tl.where((rows_doc == doc)[:, None], dz, 0.0) * w[None, :]
-        dx_ptrs = dx_ptr + (batch * seq + t[:, None]) * channels + c[None, :]
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
+                    seen += (tl.where(docs[WIDTH - 1 + j] == doc, xs[j], 0.0),)
+                    z += w[j] * seen[j]
+                dz = dys[k].to(tl.float32)
+                if SILU:
+                    sig = tl.sigmoid(z)
+                    dz = dz * sig * (1.0 + z * (1.0 - sig))
+                # Rows past the chunk only feed its dx; their dW and dbias belong to the next chunk.
+                owned = row < end
+                dz_owned = tl.where(owned, dz, 0.0)
+                for j in tl.static_range(WIDTH):
+                    grad_w = grad_w[:j] + (grad_w[j] + dz_owned * seen[j],) + grad_w[j + 1 :]
+                grad_bias += dz_owned
+                dx = w[0] * dz
+                for s in tl.static_range(1, WIDTH):
+                    dx += w[s] * tl.where(docs[WIDTH - 1 - s] == doc, dzs[s - 1], 0.0)
+                dx_ptrs = dx_ptr + (batch * seq + row) * channels + c
+                # One bound on c for the row's mask: Triton's interpreter cannot AND a scalar into a vector.
+                tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=c < tl.where(owned, channels, 0))
+                dzs = (dz,) + dzs[:-1]
+        partial = (tl.program_id(2) * tl.num_programs(1) + chunk_id).to(tl.int64)
+        for j in tl.static_range(WIDTH):
+            tl.store(
+                dw_partial_ptr + (partial * WIDTH + (WIDTH - 1 - j)) * channels + c, grad_w[j], mask=c_mask
+            )
+        if HAS_BIAS:
+            tl.store(dbias_partial_ptr + partial * channels + c, grad_bias, mask=c_mask)
 
     @triton.jit
     def _conv_step_kernel(
@@ -310,6 +337,10 @@ if TRITON_AVAILABLE:
 # ---------------------------------------------------------------------------------------------
 
 _BLOCK_T, _BLOCK_C = 32, 128
+# Backward: a program per 256 channels (2 warps, 4 channels a thread: 8-byte bf16 loads) and 128 tokens,
+# loading 8 rows ahead (4 in fp32, which spills at 8: 255 registers on sm_90). Its dW partials are
+# [B * T / 128, K, C] fp32, 1/16 of x's bytes at K = 4 in bf16.
+_BWD_BLOCK_C, _BWD_CHUNK_T, _BWD_ROW_BYTES = 256, 128, 16
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
@@ -356,11 +387,14 @@ def _conv_forward(x, weight, bias, docs, activation) -> torch.Tensor:
 def _conv_backward(dy, x, weight, bias, docs, activation):
     dy = unit_last_stride(dy)
     batch, seq, channels = x.shape
-    grid = _grid(x)
+    width = weight.shape[1]
+    grid = (triton.cdiv(channels, _BWD_BLOCK_C), triton.cdiv(seq, _BWD_CHUNK_T), batch)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_partials = grid[0] * batch
-    dw_partial = torch.empty(n_partials, channels, weight.shape[1], dtype=torch.float32, device=x.device)
-    dbias_partial = torch.empty(n_partials, channels, dtype=torch.float32, device=x.device)
+    partials = batch * grid[1]
+    dw_partial = torch.empty(partials, width, channels, dtype=torch.float32, device=x.device)
+    dbias_partial = (
+        None if bias is None else torch.empty(partials, channels, dtype=torch.float32, device=x.device)
+    )
     _conv_bwd_kernel[grid](
         x,
         weight,
@@ -369,23 +403,26 @@ def _conv_backward(dy, x, weight, bias, docs, activation):
         dy,
         dx,
         dw_partial,
-        dbias_partial,
+        dw_partial if bias is None else dbias_partial,
         seq,
         channels,
+        _BWD_CHUNK_T,
         x.stride(0),
         x.stride(1),
         docs.stride(0),
         docs.stride(1),
         dy.stride(0),
         dy.stride(1),
-        WIDTH=weight.shape[1],
+        WIDTH=width,
         HAS_BIAS=bias is not None,
         SILU=activation == "silu",
-        BLOCK_T=_BLOCK_T,
-        BLOCK_C=_BLOCK_C,
+        ROWS=_BWD_ROW_BYTES // x.element_size(),
+        BLOCK_C=_BWD_BLOCK_C,
+        num_warps=_BWD_BLOCK_C // 128,
     )
-    dbias = None if bias is None else dbias_partial.sum(0).to(bias.dtype)
-    return dx, dw_partial.sum(0).to(weight.dtype), dbias
+    # Partials summed by torch in one fixed order: dW and dbias are the same bits run to run.
+    dweight = dw_partial.sum(0).t().to(weight.dtype, memory_format=torch.contiguous_format)
+    return dx, dweight, None if bias is None else dbias_partial.sum(0).to(bias.dtype)
 
 
 def _conv_step(x, conv_state, weight, bias, activation) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qlora_kernels import conv1d as conv1d_module
 from qlora_kernels.conv1d import (
     CausalConv1dFunction,
     causal_conv1d,
@@ -51,6 +52,41 @@ def test_conv1d_matches_reference(bias, activation, packed):
     torch.testing.assert_close(y, expected, **TOL)
     for actual, ref in zip(_grads(y, [x, weight, b], dy), _grads(expected, [x, weight, b], dy), strict=True):
         torch.testing.assert_close(actual, ref, atol=1e-5 * 20, rtol=1e-5)
+
+
+# bf16 leaves against the fp32 reference on the same values: ours rounds each output to bf16 once,
+# the rest is fp32 as above. bf16 keeps 8 significant bits, so a GPU (round to nearest) is within
+# 2^-8 of the value; Triton's interpreter truncates, within 2^-7.
+BF16_TOL = {"atol": 1e-5 * 20, "rtol": 2**-7}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bias", "activation"), [(False, "silu"), (True, "silu"), (True, None)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_over_several_tiles_matches_reference(monkeypatch, dtype, bias, activation, packed):
+    """Backward programs of 128 channels (200 = 128 + 72) and 19 tokens (67 = 3 * 19 + 10): 19 + 2 *
+    (K - 1) = 25 rows to walk is one past a multiple of the rows loaded at a time (8 in bf16, 4 in
+    fp32), so a walk that starts a row late drops a whole load. Documents start at a chunk's first
+    token (19, 57), one or two tokens into one (20, 39, 59), and on a chunk's last token (37), so
+    windows reach across chunks both within a document and across a document start."""
+    monkeypatch.setattr(conv1d_module, "_BWD_BLOCK_C", 128)
+    monkeypatch.setattr(conv1d_module, "_BWD_CHUNK_T", 19)
+    generator = torch.Generator().manual_seed(6)
+    x, weight, b = _case(2, 67, 200, 4, bias, generator)
+    doc_ids = (
+        torch.stack([_packed_docs([19, 1, 2, 17, 18, 2, 8]), _packed_docs([37, 30])]) if packed else None
+    )
+    dy = torch.randn(x.shape, generator=generator).to(dtype)
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, weight, b) if t is not None]
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    y = causal_conv1d(*leaves[:2], leaves[2] if bias else None, doc_ids, activation)
+    expected = causal_conv1d_reference(*ref_leaves[:2], ref_leaves[2] if bias else None, doc_ids, activation)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_grads = torch.autograd.grad(expected, ref_leaves, dy.float())
+    tol = BF16_TOL if dtype == torch.bfloat16 else {"atol": 1e-5 * 20, "rtol": 1e-5}
+    for actual, ref in zip([y, *grads], [expected, *ref_grads], strict=True):
+        assert actual.dtype == dtype
+        torch.testing.assert_close(actual.float(), ref, **tol)
 
 
 def test_packed_row_equals_documents_one_by_one():
