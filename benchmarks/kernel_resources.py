@@ -151,7 +151,7 @@ def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> l
     docs = _meta(BATCH, SEQ, dtype=torch.int32)
     with recorded_launches() as launches:
         o, final = delta_rule.GatedDeltaRuleFunction.apply(
-            q, k, v, g, beta, docs, state, k_dim**-0.5, True, True
+            q, k, v, g, beta, docs, state, k_dim**-0.5, True, True, None
         )
         torch.autograd.grad(
             (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
