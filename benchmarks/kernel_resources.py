@@ -1,5 +1,5 @@
-"""Shared memory, registers and spills of every attention, delta-rule, conv1d and FP8 Triton kernel, compiled for a
-GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
+"""Shared memory, registers and spills of every attention, delta-rule, conv1d, FP8, RMSNorm and grouped NF4
+Triton kernel, compiled for a GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
 shared memory per block) and how many blocks share an SM.
 
 Usage: python -m benchmarks.kernel_resources [--arch 90] [--shape 9b ...]
@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
-from qlora_kernels import attention, conv1d, delta_rule, fp8
+from qlora_kernels import attention, conv1d, delta_rule, fp8, grouped_nf4, rmsnorm
 from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
 
@@ -50,6 +50,7 @@ _POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
     torch.int32: "*i32",
+    torch.int64: "*i64",
     torch.uint8: "*u8",
     torch.float8_e4m3fn: "*fp8e4nv",
 }
@@ -213,6 +214,40 @@ def fp8_launches(rows: int = 18944, in_features: int = 3584, tokens: int = 8192)
     return launches
 
 
+def grouped_nf4_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, rows: int = 32768):
+    """The routed experts' gate/up, forward and input gradient, at Qwen3.5-35B-A3B's shape (4096 tokens
+    routed to 8 experts each)."""
+    out, blocks = 2 * inter, 2 * inter * hidden // 64
+    weight = grouped_nf4.GroupedNF4Weight(
+        packed=_meta(experts, out * hidden // 2, dtype=torch.uint8),
+        absmax=_meta(experts, blocks, dtype=torch.uint8),
+        nested_absmax=_meta(experts, -(-blocks // 256), dtype=torch.float32),
+        nested_offsets=(0.5,) * experts,
+        nested_offset_table=_meta(experts, dtype=torch.float32),
+        shape=torch.Size((experts, out, hidden)),
+        dtype=torch.bfloat16,
+    )
+    offsets = _meta(experts + 1, dtype=torch.int64)
+    with recorded_launches() as launches:
+        grouped_nf4._grouped_matmul(_meta(rows, hidden), weight, offsets, transposed=False)
+        grouped_nf4._grouped_matmul(_meta(rows, out), weight, offsets, transposed=True)
+    return launches
+
+
+def rmsnorm_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int, hidden: int = 4096) -> list[Launch]:
+    """The Gated DeltaNet's gated norm over each value head, and a layer's norm over the hidden size,
+    forward and backward."""
+    heads = BATCH * SEQ * v_heads
+    gated = (_meta(heads, v_dim), _meta(heads, v_dim))
+    layer = _meta(BATCH * SEQ, hidden)
+    with recorded_launches() as launches:
+        for x, gate in (gated, (layer, None)):
+            weight = _meta(x.shape[-1], dtype=torch.float32)
+            _, x2d, rstd = rmsnorm._rms_norm_forward(x, None, weight, 1e-6, 0.0, gate)
+            rmsnorm._rms_norm_backward(x, None, x2d, weight, rstd, 0.0, True, gate)
+    return launches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
@@ -230,6 +265,7 @@ def main() -> None:
         )
         seen = set()
         launches = delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]) + fp8_launches()
+        launches += rmsnorm_launches(*SHAPES[shape]) + grouped_nf4_launches()
         launches += [launch for dim in ATTENTION_HEAD_DIMS for launch in attention_launches(dim)]
         for launch in launches:
             name = launch.kernel.__name__

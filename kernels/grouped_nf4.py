@@ -161,29 +161,34 @@ if TRITON_AVAILABLE:
         col_start,
         w_out,
         w_in,
+        ROWS: tl.constexpr,
         WIDTH: tl.constexpr,
         BLOCKSIZE: tl.constexpr,
         NESTED_BLOCKSIZE: tl.constexpr,
         DOUBLE_QUANT: tl.constexpr,
     ):
-        """One expert's weight rows `w_rows`, columns [col_start, col_start + WIDTH), in fp32: the
-        bytes and each byte's block absmax loaded, then decoded; rows and columns past the weight
-        read as zero."""
+        """One expert's weight rows `w_rows` (ROWS of them), columns [col_start, col_start + WIDTH) in
+        whole quantization blocks, in fp32: each block's absmax loaded once and spread over its bytes,
+        then decoded; rows and columns past the weight read as zero."""
         pairs = tl.arange(0, WIDTH // 2)
-        flat = w_rows[:, None].to(tl.int64) * w_in + col_start + 2 * pairs[None, :]
+        row_start = w_rows[:, None].to(tl.int64) * w_in + col_start
         mask = (w_rows < w_out)[:, None] & (col_start + 2 * pairs < w_in)[None, :]
-        packed = tl.load(packed_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+        packed = tl.load(packed_ptr + (row_start + 2 * pairs[None, :]) // 2, mask=mask, other=0).to(tl.int32)
+        blocks = tl.arange(0, WIDTH // BLOCKSIZE)
+        block_mask = (w_rows < w_out)[:, None] & (col_start + blocks * BLOCKSIZE < w_in)[None, :]
         absmax = load_block_absmax(
             absmax_ptr,
             nested_ptr,
             dynamic_map_ptr,
             offset,
-            flat // BLOCKSIZE,
-            mask,
+            row_start // BLOCKSIZE + blocks[None, :],
+            block_mask,
             NESTED_BLOCKSIZE,
             DOUBLE_QUANT,
         )
-        return decode_nf4_bytes(packed, tl.where(mask, absmax, 0.0), code_ptr)
+        absmax = tl.where(block_mask, absmax, 0.0)
+        per_byte = tl.broadcast_to(absmax[:, :, None], (ROWS, WIDTH // BLOCKSIZE, BLOCKSIZE // 2))
+        return decode_nf4_bytes(packed, tl.reshape(per_byte, (ROWS, WIDTH // 2)), code_ptr)
 
     @triton.jit
     def _grouped_nf4_matmul_kernel(
@@ -254,6 +259,7 @@ if TRITON_AVAILABLE:
                     tl.program_id(1) * BLOCK_N,
                     w_out,
                     w_in,
+                    BLOCK_K,
                     BLOCK_N,
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
@@ -272,6 +278,7 @@ if TRITON_AVAILABLE:
                     k_start,
                     w_out,
                     w_in,
+                    BLOCK_N,
                     BLOCK_K,
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
@@ -292,6 +299,10 @@ if TRITON_AVAILABLE:
 _BLOCK_M = 64
 _BLOCK_N = 128
 _BLOCK_K = 64
+# ptxas for sm_90 (benchmarks.kernel_resources): 4 warps at 3 stages spill 28 bytes a thread forward;
+# 8 warps at 2 stages take 184 and 102 registers (forward, input gradient) and 66 KB of shared memory.
+_WARPS = 8
+_STAGES = 2
 
 
 def _grouped_matmul(
@@ -305,7 +316,10 @@ def _grouped_matmul(
         inner, out_cols = weight.out_features, weight.in_features
     else:
         inner, out_cols = weight.in_features, weight.out_features
+    # The weight tile's width is whole quantization blocks: the output columns when transposed, else
+    # the inner step.
     block_n = max(weight.blocksize, _BLOCK_N) if transposed else _BLOCK_N
+    block_k = _BLOCK_K if transposed else max(weight.blocksize, _BLOCK_K)
     tiles = (expert_offsets[1:] - expert_offsets[:-1] + _BLOCK_M - 1) // _BLOCK_M
     tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
@@ -337,10 +351,12 @@ def _grouped_matmul(
         BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_M=_BLOCK_M,
         BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_K=block_k,
         BLOCKSIZE=weight.blocksize,
         NESTED_BLOCKSIZE=weight.nested_blocksize,
         DOUBLE_QUANT=weight.double_quant,
+        num_warps=_WARPS,
+        num_stages=_STAGES,
     )
     return out
 
