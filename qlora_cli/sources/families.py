@@ -7,6 +7,7 @@ GGUF export takes its architecture from it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from qlora_cli.core.errors import QLoraError
@@ -63,6 +64,20 @@ class Family:
         return tuple(t for t in self.model_types if t != self.vision_language_type)
 
 
+_QWEN35 = Family(
+    ("qwen3_5", "qwen3_5_text"),
+    "Qwen3.5/3.6",
+    "QWEN35",
+    head_dim=256,
+    qk_norm=True,
+    partial_rotary_factor=0.25,
+    multimodal_rope=True,
+    zero_centred_norms=True,
+    attention_output_gate=True,
+    hybrid=True,
+    vision_language_type="qwen3_5",
+)
+
 FAMILIES: tuple[Family, ...] = (
     Family(
         ("qwen2",),
@@ -73,31 +88,14 @@ FAMILIES: tuple[Family, ...] = (
         refuses_use_sliding_window=True,
     ),
     Family(("qwen3",), "Qwen3", "QWEN3", head_dim=128, qk_norm=True),
-    Family(
-        ("qwen3_5", "qwen3_5_text"),
-        "Qwen3.5/3.6",
-        "QWEN35",
-        head_dim=256,
-        qk_norm=True,
-        partial_rotary_factor=0.25,
-        multimodal_rope=True,
-        zero_centred_norms=True,
-        attention_output_gate=True,
-        hybrid=True,
-        vision_language_type="qwen3_5",
-    ),
+    _QWEN35,
     Family(("qwen3_moe",), "Qwen3 MoE", "QWEN3MOE", head_dim=128, qk_norm=True, moe=True),
-    Family(
-        ("qwen3_5_moe", "qwen3_5_moe_text"),
-        "Qwen3.5/3.6 MoE",
-        "QWEN35MOE",
-        head_dim=256,
-        qk_norm=True,
-        partial_rotary_factor=0.25,
-        multimodal_rope=True,
-        zero_centred_norms=True,
-        attention_output_gate=True,
-        hybrid=True,
+    # Qwen3.5's layers with a routed MoE MLP and a gated shared expert in every layer.
+    dataclasses.replace(
+        _QWEN35,
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        covers="Qwen3.5/3.6 MoE",
+        gguf_architecture="QWEN35MOE",
         vision_language_type="qwen3_5_moe",
         moe=True,
         reads_norm_topk_prob=False,
