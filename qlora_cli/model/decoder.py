@@ -189,9 +189,8 @@ class QLoRAModel(nn.Module):
 
     def _share_scratch(self, device: torch.device, dtype: torch.dtype) -> None:
         """One weight buffer (dequantized or concatenated) for all layers: they run one at a time."""
-        groups = [group for layer in self.layers for group in layer.projections.values()]
-        # A MoE layer's routed experts multiply through the same buffer, one expert at a time.
-        groups += [layer.mlp for layer in self.layers if hasattr(layer.mlp, "scratch_numel")]
+        # Every MLP takes the buffer too: a MoE layer's routed experts multiply through it one at a time.
+        groups = [group for layer in self.layers for group in (*layer.projections.values(), layer.mlp)]
         largest = max(group.scratch_numel() for group in groups)
         scratch = torch.empty(largest, dtype=dtype, device=device)
         for group in groups:

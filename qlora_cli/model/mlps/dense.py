@@ -3,6 +3,7 @@ row is long (qlora_cli/model/sliced_mlp.py). The mode's projections run each op 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from qlora_cli.model.modes import Projections
@@ -23,6 +24,11 @@ class DenseMLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
+        self.scratch: torch.Tensor | None = None
+
+    def scratch_numel(self) -> int:
+        """Of the layer's shared weight buffer it needs none itself: its groups are the layer's."""
+        return 0
 
     def forward(self, h, project: Projections, layer):
         """`layer` is the DecoderLayer it runs in: its projection groups and its recompute state."""
