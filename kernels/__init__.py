@@ -8,6 +8,25 @@ runs the reference. `formats/` is no op: it says what each frozen-weight format 
 tensor) can do, for the ops and the model to ask.
 """
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, triton_setup_error
+import sys
 
-__all__ = ["TRITON_AVAILABLE", "triton_setup_error"]
+if __name__ == "kernels":
+    # Imported as `kernels`: the repository root is on sys.path (`python -m` from it) and this folder
+    # shadows Hugging Face's `kernels`, which transformers imports when it is installed. Hand over to
+    # that package, the next `kernels` on the path, as the importer then reads sys.modules.
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _rest)
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this folder installs as qlora_kernels)")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)
+else:
+    from qlora_kernels._dispatch import TRITON_AVAILABLE, triton_setup_error
+
+    __all__ = ["TRITON_AVAILABLE", "triton_setup_error"]

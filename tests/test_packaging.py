@@ -398,3 +398,17 @@ def test_installs_beside_hugging_face_kernels(wheel_venv, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_the_kernels_folder_hands_its_name_to_hugging_faces_kernels(tmp_path):
+    """From the repository root (`python -m` puts it first on sys.path) `import kernels` finds this
+    folder; it must give way to Hugging Face's package, which transformers imports when installed."""
+    hub = tmp_path / "site" / "kernels"
+    hub.mkdir(parents=True)
+    (hub / "__init__.py").write_text("CUDAProperties = 'hub'\n")
+    code = "import kernels; print(kernels.CUDAProperties)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "hub", proc.stderr
