@@ -10,23 +10,29 @@ tensor) can do, for the ops and the model to ask.
 
 import sys
 
-if __name__ == "kernels":
-    # Imported as `kernels`: the repository root is on sys.path (`python -m` from it) and this folder
-    # shadows Hugging Face's `kernels`, which transformers imports when it is installed. Hand over to
-    # that package, the next `kernels` on the path, as the importer then reads sys.modules.
+
+def _hugging_face_kernels_spec():
+    """Imported as `kernels` (the repository root is on sys.path under `python -m` from it), this folder
+    shadows Hugging Face's `kernels`, which transformers imports when it is installed: find that one."""
     import importlib.machinery
-    import importlib.util
     import os
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
-    _spec = importlib.machinery.PathFinder.find_spec("kernels", _rest)
-    if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this folder installs as qlora_kernels)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    return importlib.machinery.PathFinder.find_spec("kernels", rest)
+
+
+_spec = _hugging_face_kernels_spec() if __name__ == "kernels" else None
+if _spec is not None:
+    # The importer reads sys.modules after this body runs, so the replacement is what `import` returns.
+    import importlib.util
+
     _module = importlib.util.module_from_spec(_spec)
     sys.modules["kernels"] = _module
     _spec.loader.exec_module(_module)
 else:
+    # Without Hugging Face's package transformers still probes `kernels`, finds this folder and imports
+    # it; with no __version__ here it counts the package as absent.
     from qlora_kernels._dispatch import TRITON_AVAILABLE, triton_setup_error
 
     __all__ = ["TRITON_AVAILABLE", "triton_setup_error"]

@@ -412,3 +412,22 @@ def test_the_kernels_folder_hands_its_name_to_hugging_faces_kernels(tmp_path):
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "hub", proc.stderr
+
+
+def test_the_kernels_folder_stays_importable_without_hugging_faces_kernels():
+    """transformers < 5.25 does not install Hugging Face's `kernels` yet still probes the name and imports
+    what it finds, this folder from the repository root: that import must succeed."""
+    code = (
+        "import importlib.machinery as m\n"
+        "find = m.PathFinder.find_spec\n"
+        "m.PathFinder.find_spec = classmethod(\n"
+        "    lambda cls, name, path=None, target=None:\n"
+        "    None if name == 'kernels' and path is not None else find(name, path, target))\n"
+        "from transformers import LlamaConfig\n"
+        "import kernels\n"
+        "print(kernels.TRITON_AVAILABLE in (True, False))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-3000:]
