@@ -427,7 +427,5 @@ def test_the_kernels_folder_stays_importable_without_hugging_faces_kernels():
         "import kernels\n"
         "print(kernels.TRITON_AVAILABLE in (True, False))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-3000:]
