@@ -5,7 +5,8 @@ Usage: python -m benchmarks.grouped_nf4 [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b]
 For each shape's routed experts (NF4 with double quantization, bf16 activations), tokens routed to
 top-k experts drawn at random and sorted by expert, times (median, CUDA events) the gate/up and down
 projections, forward (y = x W_e^T) and the backward's input gradient (dx = dy W_e):
-  - ours, `qlora_kernels.grouped_nf4.grouped_nf4_linear`, decoding NF4 tiles inside the GEMM;
+  - ours, `qlora_kernels.grouped_linear.grouped_linear`, decoding NF4 tiles inside the GEMM, and the
+    same kernel on the bf16 experts (what a MoE with `load_in_4bit: false` runs);
   - torch's bf16 grouped GEMM (`torch._grouped_mm`) on the same weights dequantized once, the
     throughput the NF4 kernel is held to (the target is at least 70 % of it);
   - one bf16 matmul per expert, as the fixes that dequantize one expert at a time run.
@@ -20,7 +21,7 @@ import torch
 
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
-from qlora_kernels.grouped_nf4 import dequantize_grouped_nf4, grouped_nf4_linear, quantize_grouped_nf4
+from qlora_kernels.grouped_linear import dequantize_grouped_nf4, grouped_linear, quantize_grouped_nf4
 
 # Routed experts of each model: (experts, top-k, hidden size, expert intermediate size).
 SHAPES = {
@@ -61,11 +62,15 @@ def time_projection(name: str, rows: torch.Tensor, weights: torch.Tensor, offset
     x = rows.requires_grad_()
     dy = torch.randn(rows.shape[0], weights.shape[1], device="cuda", dtype=torch.bfloat16)
     flops = 2 * rows.shape[0] * weights.shape[1] * weights.shape[2]
-    forward = lambda: grouped_nf4_linear(x, grouped, offsets)  # noqa: E731
+    forward = lambda: grouped_linear(x, grouped, offsets)  # noqa: E731
     y = forward()
+    plain = lambda: grouped_linear(x, dense, offsets)  # noqa: E731
+    y_plain = plain()
     cases = {
         "ours NF4, forward": forward,
         "ours NF4, input gradient": lambda: torch.autograd.grad(y, x, dy, retain_graph=True),
+        "ours bf16, forward": plain,
+        "ours bf16, input gradient": lambda: torch.autograd.grad(y_plain, x, dy, retain_graph=True),
         "bf16 grouped GEMM, forward": _bf16_grouped(rows.detach(), dense.transpose(1, 2), offsets),
         "bf16 grouped GEMM, input gradient": _bf16_grouped(dy, dense, offsets),
         "bf16 per expert, forward": _per_expert(rows.detach(), dense, bounds),

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
-from qlora_kernels import attention, conv1d, delta_rule, fp8, grouped_nf4, rmsnorm
+from qlora_kernels import attention, conv1d, delta_rule, fp8, grouped_linear, rmsnorm
 from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
 
@@ -218,19 +218,18 @@ def grouped_nf4_launches(experts: int = 256, hidden: int = 2048, inter: int = 51
     """The routed experts' gate/up, forward and input gradient, at Qwen3.5-35B-A3B's shape (4096 tokens
     routed to 8 experts each)."""
     out, blocks = 2 * inter, 2 * inter * hidden // 64
-    weight = grouped_nf4.GroupedNF4Weight(
+    weight = grouped_linear.GroupedNF4Weight(
         packed=_meta(experts, out * hidden // 2, dtype=torch.uint8),
         absmax=_meta(experts, blocks, dtype=torch.uint8),
         nested_absmax=_meta(experts, -(-blocks // 256), dtype=torch.float32),
-        nested_offsets=(0.5,) * experts,
         nested_offset_table=_meta(experts, dtype=torch.float32),
         shape=torch.Size((experts, out, hidden)),
         dtype=torch.bfloat16,
     )
     offsets = _meta(experts + 1, dtype=torch.int64)
     with recorded_launches() as launches:
-        grouped_nf4._grouped_matmul(_meta(rows, hidden), weight, offsets, transposed=False)
-        grouped_nf4._grouped_matmul(_meta(rows, out), weight, offsets, transposed=True)
+        grouped_linear._grouped_matmul(_meta(rows, hidden), weight, offsets, transposed=False)
+        grouped_linear._grouped_matmul(_meta(rows, out), weight, offsets, transposed=True)
     return launches
 
 

@@ -23,6 +23,8 @@ from qlora_cli.sources.model_config import spec_from_config
 from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP, ModelSpec, MoESpec
 from qlora_cli.train.loop import train
 from qlora_kernels.formats import DENSE, NF4
+from qlora_kernels.grouped_linear import GroupedNF4Weight
+from qlora_kernels.nf4 import quantize_nf4
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
 
@@ -113,24 +115,33 @@ def test_routing_ties_go_as_transformers_breaks_them(tmp_path):
     assert _max_error(ours, load_transformers(folder), _ids(ours.spec.vocab_size)) < 1e-4
 
 
-def test_the_moe_mlp_sums_each_token_k_times_and_once_each():
+def _moe_mlp(frozen, top_k: int, hidden: int, generator: torch.Generator):
+    """A MoE MLP of 4 routed experts of intermediate size hidden / 2 alone, no shared expert, its
+    weights random (fp32), in `frozen`; and the dense matrices it was given, by (expert, projection)."""
+    spec = ModelSpec(
+        model_type="qwen3_moe", vocab_size=8, hidden_size=hidden, intermediate_size=24, num_layers=1,
+        num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, qk_norm=True,
+        dtype=torch.float32, mlp_types=(MOE_MLP,), moe=MoESpec(4, top_k, hidden // 2, norm_topk_prob=False),
+    )  # fmt: skip
+    mlp = MoEMLP(spec)
+    dense = {}
+    mlp.load("gate.weight", torch.randn(4, hidden, generator=generator), DENSE, torch.float32)
+    for e in range(4):
+        for name, shape in spec.moe.expert_tensors(hidden).items():
+            dense[e, name] = torch.randn(shape, generator=generator) / 4
+            mlp.load(f"experts.{e}.{name}.weight", dense[e, name], frozen, torch.float32)
+    return mlp, dense
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "references"])
+def test_the_moe_mlp_sums_each_token_k_times_and_once_each(interpret, monkeypatch):
     """The MoE MLP on a few tokens against each token's chosen experts summed one by one (no sort), for
     k = 1, 2 and all experts: no token dropped or counted twice however the experts' loads fall."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
     generator = torch.Generator().manual_seed(3)
     for top_k in (1, 2, 4):
-        spec = ModelSpec(
-            model_type="qwen3_moe", vocab_size=8, hidden_size=16, intermediate_size=24, num_layers=1,
-            num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
-            max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, qk_norm=True,
-            dtype=torch.float32, mlp_types=(MOE_MLP,), moe=MoESpec(4, top_k, 8, norm_topk_prob=False),
-        )  # fmt: skip
-        mlp = MoEMLP(spec)
-        dense = {}
-        mlp.load("gate.weight", torch.randn(4, 16, generator=generator), DENSE, torch.float32)
-        for e in range(4):
-            for name, shape in spec.moe.expert_tensors(16).items():
-                dense[e, name] = torch.randn(shape, generator=generator) / 4
-                mlp.load(f"experts.{e}.{name}.weight", dense[e, name], DENSE, torch.float32)
+        mlp, dense = _moe_mlp(DENSE, top_k, 16, generator)
         h = torch.randn(1, 13, 16, generator=generator, requires_grad=True)
         out = mlp(h, None, None)
         probs = torch.softmax(h[0] @ mlp.router.T, -1)
@@ -220,7 +231,19 @@ def test_experts_are_quantized_one_by_one_to_nf4_and_the_router_is_not(tmp_path)
     folder = write_qwen3_moe(tmp_path / "model")
     ours = QLoRAModel.from_pretrained(folder, quantize=True).eval()
     mlp = ours.layers[0].mlp
-    assert all(NF4.recognises(w) for expert in mlp.experts for w in expert)
+    assert sorted(mlp.experts) == ["down_proj", "gate_proj", "up_proj"]
+    for projection, stacked in mlp.experts.items():
+        assert isinstance(stacked, GroupedNF4Weight) and stacked.experts == ours.spec.moe.num_experts
+        shape = ours.spec.moe.expert_tensors(ours.spec.hidden_size)[projection]
+        for expert in range(stacked.experts):
+            alone = quantize_nf4(
+                load_file(folder / "model.safetensors")[
+                    f"model.layers.0.mlp.experts.{expert}.{projection}.weight"
+                ]
+            )
+            assert stacked.expert(expert).shape == shape and torch.equal(
+                stacked.expert(expert).packed, alone.packed
+            )
     assert mlp.router.dtype == torch.float32 and not NF4.recognises(mlp.router)
     # NF4's error on the experts and the rest, not a routing mistake: near transformers' logits.
     theirs = load_transformers(folder)
@@ -355,21 +378,41 @@ def test_gguf_export_of_a_moe_is_one_line(trained_runs, tmp_path):
         export(trained_runs["qwen3_moe"], tmp_path / "gguf", gguf=True)
 
 
-def test_cuda_graphs_are_off_for_a_moe(tmp_path):
-    """Its token counts per expert come back to the host: training's graphs are blocked (auto falls back
-    to op by op, true names why), and decoding's engine does not capture its step."""
-    from qlora_cli.generate.decoding import captures_step
-    from qlora_cli.train.graphs import cuda_graph_blocker
+class _HostReads:
+    """Makes every read of a tensor's values on the host fail: what a captured CUDA graph cannot replay."""
 
-    config = load_config(write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4,
-                                   sample_packing=True))  # fmt: skip
-    cuda = torch.device("cuda")
-    model = QLoRAModel.from_pretrained(tmp_path / "run" / "model", quantize=False)
-    assert cuda_graph_blocker(config, cuda, 1) is None
-    assert "mixture-of-experts" in cuda_graph_blocker(config, cuda, 1, model.spec.mlp_types)
-    assert not captures_step(model, cuda) and not DecodingEngine(model).cuda_graphs
-    dense = dataclasses.replace(model.spec, mlp_types=(), moe=None)
-    assert captures_step(type("Dense", (), {"spec": dense})(), cuda)
+    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.READS}
+        for name in self.READS:
+            setattr(torch.Tensor, name, self._refuse(name))
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+    @staticmethod
+    def _refuse(name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} read a device value on the host")
+
+        return refuse
+
+
+@pytest.mark.parametrize("frozen", [NF4, DENSE], ids=["nf4", "dense"])
+def test_the_moe_mlp_reads_no_routing_on_the_host(frozen, monkeypatch):
+    """The forward and backward of a MoE layer, on the Triton kernels (in the interpreter) and on the
+    references, never bring a device value to the host, so a CUDA graph captures it as it does a dense
+    layer: training's graphs and decoding's captured step take MoE models too."""
+    generator = torch.Generator().manual_seed(4)
+    mlp, _ = _moe_mlp(frozen, 2, 64, generator)
+    h = torch.randn(1, 9, 64, generator=generator, requires_grad=True)
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        with _HostReads():
+            out = mlp(h, None, None)
+            torch.autograd.grad(out.square().sum(), h)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
@@ -382,8 +425,8 @@ def test_the_planners_counts_are_the_models(family, tmp_path):
     lora = LoRAConfig(r=4, train_norms=True)
     model = QLoRAModel.from_pretrained(folder, quantize=True, lora=lora)
     assert lora.trained_weights(model.spec) == sum(p.numel() for p in model.trainable_parameters())
-    experts = sum(w.shape.numel() for layer in model.layers if hasattr(layer.mlp, "experts")
-                  for expert in layer.mlp.experts for w in expert)  # fmt: skip
+    experts = sum(w.shape.numel() for layer in model.layers if isinstance(layer.mlp, MoEMLP)
+                  for w in layer.mlp.experts.values())  # fmt: skip
     spec = model.spec
     expertless = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=0))
     assert frozen_weight_bytes(spec) - frozen_weight_bytes(expertless) >= experts * NF4.bytes_per_weight

@@ -59,6 +59,12 @@ class FrozenFormat:
         """Why the weight cannot be cast to e4m3 for FP8 products (kernels.fp8), or None."""
         return "FP8 products need NF4 weights"
 
+    def put_expert(self, experts, count: int, index: int, weight: torch.Tensor):
+        """A mixture-of-experts layer's routed experts, stacked as the checkpoint streams them in for
+        the grouped GEMM (kernels.grouped_linear): expert `index` of `count` stored alone into
+        `experts`, which the first to arrive allocates (None before it); returns them."""
+        raise NotImplementedError
+
     def round_trip(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A dense weight as a model that stored it in this format computes with it: what a merged
         export writes (formats are never exported as stored; they are dequantized first)."""

@@ -26,6 +26,12 @@ class DenseFormat(FrozenFormat):
     def dense_view(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return weight if weight.dtype == dtype else None
 
+    def put_expert(self, experts, count: int, index: int, weight: torch.Tensor) -> torch.Tensor:
+        if experts is None:
+            experts = weight.new_empty((count, *weight.shape))
+        experts[index].copy_(weight)
+        return experts
+
     def reads_in_gemv(self, weight: torch.Tensor) -> bool:
         return True
 

@@ -6,6 +6,7 @@ import torch
 
 from qlora_kernels._dispatch import use_triton
 from qlora_kernels.formats.base import FrozenFormat, register_format
+from qlora_kernels.grouped_linear import GroupedNF4Weight
 from qlora_kernels.nf4 import NF4Weight, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 
 
@@ -27,6 +28,13 @@ class NF4Format(FrozenFormat):
 
     def dequantize_reference(self, weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nf4_reference(replace(weight, dtype=dtype))
+
+    def put_expert(self, experts, count: int, index: int, weight: torch.Tensor) -> GroupedNF4Weight:
+        expert = quantize_nf4(weight)
+        if experts is None:
+            experts = GroupedNF4Weight.empty(count, expert)
+        experts.put(index, expert)
+        return experts
 
     def fills_row_views(self, weight: NF4Weight) -> bool:
         """Only when each row is whole blocks: a block never straddles two rows of the scratch."""

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.layers import DecoderLayer
 from qlora_cli.model.lora import ProjectionGroup
-from qlora_cli.model.mlps import mlp_graph_blocker
 from qlora_cli.model.modes import DecodeRows, PrefillRows
 from qlora_kernels.formats import frozen_format
 from qlora_kernels.nf4_matvec import nf4_matvec
@@ -225,12 +224,6 @@ class GraphedStep:
         return self.logits
 
 
-def captures_step(model: QLoRAModel, device: torch.device) -> bool:
-    """Whether the decode step is captured as a CUDA graph by default: on CUDA, unless an MLP kind of
-    the model blocks it (a MoE layer reads its experts' token counts back to the host)."""
-    return device.type == "cuda" and mlp_graph_blocker(model.spec.mlp_types) is None
-
-
 class DecodingEngine:
     """Caches and steps for a model: one cache per batch size, grown as calls need, and on CUDA its
     captured step, kept for the next call of that size (a chat's turns, the next batch of prompts)."""
@@ -239,7 +232,7 @@ class DecodingEngine:
         self.decoder = Decoder(model)
         self.max_positions = model.spec.max_position_embeddings
         device = self.decoder.device
-        self.cuda_graphs = captures_step(model, device) if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._prepared: dict[int, tuple[KVCache, StepFn]] = {}
 
     def prepare(self, batch: int, tokens: int) -> tuple[KVCache, StepFn]:

@@ -19,43 +19,38 @@ What a graph needs, and what callers keep:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.model.mlps import mlp_graph_blocker
-from qlora_cli.sources.spec import ModelSpec
 from qlora_kernels.cross_entropy import check_labels_in_vocab
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def cuda_graph_blocker(
-    config: TrainConfig, device: torch.device, world_size: int, mlp_kinds: Iterable[str] = ()
-) -> str | None:
-    """Why this run cannot replay its micro-batches as CUDA graphs, or None; `mlp_kinds` are the
-    model's (ModelSpec.mlp_types)."""
+def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: int) -> str | None:
+    """Why this run cannot replay its micro-batches as CUDA graphs, or None."""
     if device.type != "cuda":
         return f"they need a CUDA device and this run trains on {device.type}"
     if world_size > 1:
         return "several processes exchange gradients through DDP's hooks, which a graph does not replay"
     if not config.sample_packing:
         return "without sample_packing a micro-batch's width changes from batch to batch"
-    return mlp_graph_blocker(mlp_kinds)
+    return None
 
 
 def graphed_loss_for(
-    config: TrainConfig, loss_fn: LossFn, device: torch.device, spec: ModelSpec, world_size: int
+    config: TrainConfig, loss_fn: LossFn, device: torch.device, vocab_size: int, world_size: int
 ) -> GraphedLoss | None:
     """What `cuda_graphs` asks for: `auto` replays graphs where the run allows them, `true` insists
     (an error names what stands in the way), `false` launches op by op."""
     if config.cuda_graphs is False:
         return None
-    blocker = cuda_graph_blocker(config, device, world_size, spec.mlp_types)
+    blocker = cuda_graph_blocker(config, device, world_size)
     if blocker is None:
-        return GraphedLoss(loss_fn, device, spec.vocab_size)
+        return GraphedLoss(loss_fn, device, vocab_size)
     if config.cuda_graphs is True:
         raise QLoraError(f"config key 'cuda_graphs' is true, but {blocker}; set it to auto or false")
     return None

@@ -146,7 +146,7 @@ def build_run(
     loss_module = dist.wrap(model, objective)
     graphed = None
     if not eager:
-        graphed = graphed_loss_for(config, loss_module, dist.device, spec, dist.world_size)
+        graphed = graphed_loss_for(config, loss_module, dist.device, spec.vocab_size, dist.world_size)
     return Run(
         config=config,
         device=dist.device,

@@ -10,12 +10,4 @@ from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP
 MLPS = {DENSE_MLP: DenseMLP, MOE_MLP: MoEMLP}
 
 
-def mlp_graph_blocker(mlp_kinds) -> str | None:
-    """Why a model with these MLP kinds cannot run as a captured CUDA graph (an MLP whose forward
-    reads device values on the host), or None."""
-    return next(
-        (MLPS[kind].graph_blocker for kind in dict.fromkeys(mlp_kinds) if MLPS[kind].graph_blocker), None
-    )
-
-
-__all__ = ["MLPS", "DenseMLP", "MoEMLP", "mlp_graph_blocker"]
+__all__ = ["MLPS", "DenseMLP", "MoEMLP"]

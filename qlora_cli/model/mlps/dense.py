@@ -17,7 +17,6 @@ class DenseMLP(nn.Module):
 
     groups = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
     checkpoint_module = "mlp"
-    graph_blocker = None
     # down's output is the layer's: a recompute, which only keeps what backward saves, skips its GEMM.
     down_output_unread_in_recompute = True
 

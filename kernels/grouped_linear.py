@@ -1,0 +1,538 @@
+"""Grouped GEMM over a mixture-of-experts layer's frozen experts: each expert's rows of the input times
+that expert's weight. NF4 experts are dequantized a tile at a time inside the GEMM, never a whole expert,
+let alone all of them; plain experts ([E, out, in] in a compute dtype) are read as they are.
+
+A mixture-of-experts MLP sorts its tokens by expert; `expert_offsets` (int [E + 1], on the device)
+says where each expert's rows start and the last one ends. NF4 experts are quantized one by one
+(GroupedNF4Weight: each expert its own bitsandbytes NF4 layout and nested offset, stacked), so each
+loads, saves and merges as a per-expert NF4 weight would. Forward y = x W_e^T; backward dx = dy W_e
+(the weights are frozen). The program grid is fixed by the row and expert counts, so no host sync
+reads the routing and a CUDA graph can capture it: each program finds its expert on the device.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels.nf4 import (
+    BLOCKSIZE,
+    NESTED_BLOCKSIZE,
+    NF4Weight,
+    _tables,
+    dequantize_nf4,
+    dequantize_nf4_reference,
+    quantize_nf4,
+)
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from qlora_kernels.nf4 import decode_nf4_bytes, load_block_absmax
+
+
+@dataclass(frozen=True)
+class GroupedNF4Weight:
+    """E experts' [out, in] weights, each quantized alone, stacked: `packed` uint8 [E, out·in / 2],
+    `absmax` [E, blocks] (uint8 codes when double-quantized, `nested_absmax` then fp32 [E, groups]),
+    and each expert's nested offset, fp32 [E] on the device (`nested_offset_table`, which the kernel
+    reads; 0 without double quantization)."""
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    nested_absmax: torch.Tensor | None
+    nested_offset_table: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    blocksize: int = BLOCKSIZE
+    nested_blocksize: int = NESTED_BLOCKSIZE
+
+    @property
+    def experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[2]
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_absmax is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @classmethod
+    def empty(cls, experts: int, like: NF4Weight) -> "GroupedNF4Weight":
+        """Room for `experts` weights laid out as `like`, filled by `put` as a checkpoint streams in, so
+        a layer's experts are never held twice."""
+        if like.shape[-1] % 2:
+            raise ValueError(
+                f"grouped NF4 experts need an even number of input features, got {like.shape[-1]}: "
+                "a byte's two codes must lie in one row"
+            )
+
+        def slots(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.new_empty((experts, *tensor.shape))
+
+        return cls(
+            packed=slots(like.packed),
+            absmax=slots(like.absmax),
+            nested_absmax=None if like.nested_absmax is None else slots(like.nested_absmax),
+            nested_offset_table=torch.zeros(experts, dtype=torch.float32, device=like.device),
+            shape=torch.Size((experts, *like.shape)),
+            dtype=like.dtype,
+            blocksize=like.blocksize,
+            nested_blocksize=like.nested_blocksize,
+        )
+
+    def put(self, index: int, expert: NF4Weight) -> None:
+        """Copy expert `index`, quantized alone, into its slot."""
+        layout = (self.shape[1:], self.dtype, self.blocksize, self.nested_blocksize, self.double_quant)
+        if (
+            expert.shape,
+            expert.dtype,
+            expert.blocksize,
+            expert.nested_blocksize,
+            expert.double_quant,
+        ) != layout:
+            raise ValueError(
+                "grouped NF4 experts must share shape, dtype, block sizes and double quantization"
+            )
+        self.packed[index].copy_(expert.packed)
+        self.absmax[index].copy_(expert.absmax)
+        if self.double_quant:
+            self.nested_absmax[index].copy_(expert.nested_absmax)
+        self.nested_offset_table[index] = expert.nested_offset
+
+    def expert(self, index: int, offset_on_host: bool = True) -> NF4Weight:
+        """Expert `index` as the NF4 weight it was quantized to (views, no copy). Its nested offset is
+        read back to the host, as kernels take it, or left a 0-d device tensor for the torch reference's
+        arithmetic, which then reads nothing on the host."""
+        offset = self.nested_offset_table[index]
+        return NF4Weight(
+            packed=self.packed[index],
+            absmax=self.absmax[index],
+            nested_absmax=None if self.nested_absmax is None else self.nested_absmax[index],
+            nested_offset=float(offset) if offset_on_host else offset,
+            shape=self.shape[1:],
+            dtype=self.dtype,
+            blocksize=self.blocksize,
+            nested_blocksize=self.nested_blocksize,
+        )
+
+    @classmethod
+    def from_experts(cls, experts: list[NF4Weight]) -> "GroupedNF4Weight":
+        grouped = cls.empty(len(experts), experts[0])
+        for index, expert in enumerate(experts):
+            grouped.put(index, expert)
+        return grouped
+
+
+# A layer's routed experts as the grouped GEMM takes them: NF4, or a plain [E, out, in] tensor.
+GroupedWeight = GroupedNF4Weight | torch.Tensor
+
+
+def quantize_grouped_nf4(weights: torch.Tensor, double_quant: bool = True) -> GroupedNF4Weight:
+    """[E, out, in] expert weights to NF4, one expert at a time (a fused 3-D checkpoint tensor, or
+    per-expert tensors stacked)."""
+    return GroupedNF4Weight.from_experts([quantize_nf4(w, double_quant=double_quant) for w in weights])
+
+
+def expert_weight(weight: GroupedWeight, index: int, reference: bool = False) -> torch.Tensor:
+    """Expert `index`'s dense [out, in] weight in its dtype (through the NF4 reference's plain torch ops
+    when `reference`): for the reference, merging and tests, never in a training step."""
+    if isinstance(weight, torch.Tensor):
+        return weight[index]
+    if reference:
+        return dequantize_nf4_reference(weight.expert(index, offset_on_host=False))
+    return dequantize_nf4(weight.expert(index))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _shape(weight: GroupedWeight) -> tuple[int, int, int]:
+    """(experts, out, in)."""
+    experts, out_features, in_features = weight.shape
+    return experts, out_features, in_features
+
+
+def grouped_linear_reference(
+    x: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor
+) -> torch.Tensor:
+    """Each expert's rows of x [N, in] times its dense weight, transposed: y [N, out]; rows outside every
+    expert's range are zero. Every expert multiplies every row and keeps its own, so the routing is
+    never read on the host (a CUDA graph captures this too)."""
+    experts, out_features, _ = _shape(weight)
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    out = x.new_zeros(x.shape[0], out_features)
+    for index in range(experts):
+        mine = (rows >= expert_offsets[index]) & (rows < expert_offsets[index + 1])
+        out = torch.where(mine, x @ expert_weight(weight, index, reference=True).to(x.dtype).T, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+# ---------------------------------------------------------------------------------------------
+
+# Defined only where triton is installed; without it use_triton() is False and the references run.
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _nf4_tile(
+        packed_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        w_rows,
+        col_start,
+        w_out,
+        w_in,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        WHOLE_BLOCKS: tl.constexpr,
+    ):
+        """One expert's weight rows `w_rows` (ROWS of them), columns [col_start, col_start + WIDTH), in
+        fp32; rows and columns past the weight read as zero. With WHOLE_BLOCKS (rows of whole
+        quantization blocks, the tile's columns whole blocks too) each block's absmax is loaded once
+        and spread over its bytes; otherwise a block may straddle rows and each byte looks its up."""
+        pairs = tl.arange(0, WIDTH // 2)
+        row_start = w_rows[:, None].to(tl.int64) * w_in + col_start
+        mask = (w_rows < w_out)[:, None] & (col_start + 2 * pairs < w_in)[None, :]
+        byte = (row_start + 2 * pairs[None, :]) // 2
+        packed = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
+        if WHOLE_BLOCKS:
+            blocks = tl.arange(0, WIDTH // BLOCKSIZE)
+            block_mask = (w_rows < w_out)[:, None] & (col_start + blocks * BLOCKSIZE < w_in)[None, :]
+            absmax = load_block_absmax(
+                absmax_ptr,
+                nested_ptr,
+                dynamic_map_ptr,
+                offset,
+                row_start // BLOCKSIZE + blocks[None, :],
+                block_mask,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+            )
+            absmax = tl.where(block_mask, absmax, 0.0)
+            per_byte = tl.broadcast_to(absmax[:, :, None], (ROWS, WIDTH // BLOCKSIZE, BLOCKSIZE // 2))
+            absmax = tl.reshape(per_byte, (ROWS, WIDTH // 2))
+        else:
+            absmax = load_block_absmax(
+                absmax_ptr,
+                nested_ptr,
+                dynamic_map_ptr,
+                offset,
+                2 * byte // BLOCKSIZE,
+                mask,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+            )
+            absmax = tl.where(mask, absmax, 0.0)
+        return decode_nf4_bytes(packed, absmax, code_ptr)
+
+    @triton.jit
+    def _expert_tile(
+        weight_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        w_rows,
+        col_start,
+        w_out,
+        w_in,
+        dtype: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+        QUANTIZED: tl.constexpr,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        WHOLE_BLOCKS: tl.constexpr,
+    ):
+        """The weight tile [ROWS, WIDTH] at rows `w_rows` and columns from `col_start`, in `dtype`:
+        decoded from NF4 when QUANTIZED, else read from the plain weight."""
+        if QUANTIZED:
+            tile = _nf4_tile(
+                weight_ptr,
+                absmax_ptr,
+                nested_ptr,
+                code_ptr,
+                dynamic_map_ptr,
+                offset,
+                w_rows,
+                col_start,
+                w_out,
+                w_in,
+                ROWS,
+                WIDTH,
+                BLOCKSIZE,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+                WHOLE_BLOCKS,
+            )
+        else:
+            cols = col_start + tl.arange(0, WIDTH)
+            mask = (w_rows < w_out)[:, None] & (cols < w_in)[None, :]
+            tile = tl.load(
+                weight_ptr + w_rows[:, None].to(tl.int64) * w_in + cols[None, :], mask=mask, other=0.0
+            )
+        return tile.to(dtype)
+
+    @triton.jit
+    def _grouped_matmul_kernel(
+        a_ptr,
+        weight_ptr,
+        absmax_ptr,
+        nested_ptr,
+        offset_table_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        expert_offsets_ptr,
+        tile_starts_ptr,
+        out_ptr,
+        n_experts,
+        inner,
+        out_cols,
+        w_out,
+        w_in,
+        a_row_stride,
+        weight_expert_stride,
+        absmax_expert_stride,
+        nested_expert_stride,
+        TRANSPOSED: tl.constexpr,
+        QUANTIZED: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        WHOLE_BLOCKS: tl.constexpr,
+    ):
+        """One program: BLOCK_M rows of one expert times BLOCK_N output columns. Its expert is the
+        last whose first row tile (tile_starts, exclusive sums of each expert's tiles) is at or
+        before the program's; programs past the last tile return. out = a W_e^T, or with
+        TRANSPOSED (backward's dx = dy W_e) a W_e."""
+        tile = tl.program_id(0)
+        experts = tl.arange(0, BLOCK_E)
+        starts = tl.load(tile_starts_ptr + experts, mask=experts < n_experts, other=2**30)
+        expert = tl.sum((starts <= tile).to(tl.int32)) - 1
+        if tile >= tl.load(tile_starts_ptr + n_experts):
+            return
+        first_row = tl.load(expert_offsets_ptr + expert)
+        end_row = tl.load(expert_offsets_ptr + expert + 1)
+        rows = first_row + (tile - tl.load(tile_starts_ptr + expert)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        weight_ptr += expert.to(tl.int64) * weight_expert_stride
+        absmax_ptr += expert.to(tl.int64) * absmax_expert_stride
+        nested_ptr += expert.to(tl.int64) * nested_expert_stride
+        offset = 0.0
+        if QUANTIZED:
+            offset = tl.load(offset_table_ptr + expert)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, inner, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                a_ptr + rows[:, None].to(tl.int64) * a_row_stride + ks[None, :],
+                mask=row_mask[:, None] & (ks < inner)[None, :],
+                other=0.0,
+            )
+            if TRANSPOSED:
+                w = _expert_tile(
+                    weight_ptr,
+                    absmax_ptr,
+                    nested_ptr,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    ks,
+                    tl.program_id(1) * BLOCK_N,
+                    w_out,
+                    w_in,
+                    a.dtype,
+                    BLOCK_K,
+                    BLOCK_N,
+                    QUANTIZED,
+                    BLOCKSIZE,
+                    NESTED_BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    WHOLE_BLOCKS,
+                )
+                acc += tl.dot(a, w)
+            else:
+                w = _expert_tile(
+                    weight_ptr,
+                    absmax_ptr,
+                    nested_ptr,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    cols,
+                    k_start,
+                    w_out,
+                    w_in,
+                    a.dtype,
+                    BLOCK_N,
+                    BLOCK_K,
+                    QUANTIZED,
+                    BLOCKSIZE,
+                    NESTED_BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    WHOLE_BLOCKS,
+                )
+                acc += tl.dot(a, tl.trans(w))
+        mask = row_mask[:, None] & (cols < out_cols)[None, :]
+        out_at = out_ptr + rows[:, None].to(tl.int64) * out_cols + cols[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+# Rows a program takes of one expert, and its output columns and inner step: with rows of whole
+# quantization blocks, the inner step and the backward's output columns are whole blocks too.
+_BLOCK_M = 64
+_BLOCK_N = 128
+_BLOCK_K = 64
+# ptxas for sm_90 (benchmarks.kernel_resources): 4 warps at 3 stages spill 28 bytes a thread forward;
+# 8 warps at 2 stages take 184 and 102 registers (forward, input gradient) and 66 KB of shared memory.
+_WARPS = 8
+_STAGES = 2
+
+
+def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor, transposed: bool):
+    """a [N, inner] by each expert's weight: out [N, in] if transposed, else [N, out]; rows outside
+    every expert's range are zero."""
+    a = a.contiguous()
+    experts, w_out, w_in = _shape(weight)
+    inner, out_cols = (w_out, w_in) if transposed else (w_in, w_out)
+    quantized = isinstance(weight, GroupedNF4Weight)
+    block_n, block_k = _BLOCK_N, _BLOCK_K
+    if quantized:
+        tensors = (
+            weight.packed,
+            weight.absmax,
+            weight.nested_absmax if weight.double_quant else weight.absmax,
+        )
+        offset_table, blocksize, nested_blocksize = (
+            weight.nested_offset_table,
+            weight.blocksize,
+            weight.nested_blocksize,
+        )
+        whole_blocks = w_in % blocksize == 0
+        if whole_blocks:
+            # The weight tile's width is whole quantization blocks: the output columns when
+            # transposed, else the inner step.
+            block_n, block_k = (
+                (max(blocksize, block_n), block_k) if transposed else (block_n, max(blocksize, block_k))
+            )
+    else:
+        weight = weight.contiguous()
+        tensors, offset_table = (weight, weight, weight), weight
+        blocksize, nested_blocksize, whole_blocks = BLOCKSIZE, NESTED_BLOCKSIZE, False
+    tiles = (expert_offsets[1:] - expert_offsets[:-1] + _BLOCK_M - 1) // _BLOCK_M
+    tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
+    torch.cumsum(tiles, 0, out=tile_starts[1:])
+    out = torch.zeros(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
+    code, _, dynamic_map = _tables(a.device)
+    grid = (triton.cdiv(a.shape[0], _BLOCK_M) + experts, triton.cdiv(out_cols, block_n))
+    _grouped_matmul_kernel[grid](
+        a,
+        *tensors,
+        offset_table,
+        code,
+        dynamic_map,
+        expert_offsets,
+        tile_starts,
+        out,
+        experts,
+        inner,
+        out_cols,
+        w_out,
+        w_in,
+        a.stride(0),
+        *(tensor.stride(0) for tensor in tensors),
+        TRANSPOSED=transposed,
+        QUANTIZED=quantized,
+        BLOCK_E=triton.next_power_of_2(experts),
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCKSIZE=blocksize,
+        NESTED_BLOCKSIZE=nested_blocksize,
+        DOUBLE_QUANT=quantized and weight.double_quant,
+        WHOLE_BLOCKS=whole_blocks,
+        num_warps=_WARPS,
+        num_stages=_STAGES,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Saves the offsets alone: backward runs the same grouped GEMM against the weight, untransposed."""
+
+    @staticmethod
+    def forward(ctx, x, weight: GroupedWeight, expert_offsets):
+        ctx.weight = weight
+        ctx.save_for_backward(expert_offsets)
+        return _grouped_matmul(x, weight, expert_offsets, transposed=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (expert_offsets,) = ctx.saved_tensors
+        return _grouped_matmul(dy, ctx.weight, expert_offsets, transposed=True), None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor) -> None:
+    experts, _, in_features = _shape(weight)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
+    if expert_offsets.shape != (experts + 1,) or expert_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"expert_offsets must be int [{experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}"
+        )
+
+
+def grouped_linear(x: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """y [N, out]: rows expert_offsets[e] to expert_offsets[e + 1] of x [N, in] (sorted by expert)
+    times expert e's weight, transposed; rows no expert covers are zero. Differentiable in x."""
+    _check(x, weight, expert_offsets)
+    if use_triton(x):
+        return GroupedLinearFunction.apply(x, weight, expert_offsets)
+    return grouped_linear_reference(x, weight, expert_offsets)
+
+
+def dequantize_grouped_nf4(weight: GroupedNF4Weight) -> torch.Tensor:
+    """All experts at once, [E, out, in]: for merging and tests, never in a training step."""
+    return torch.stack([expert_weight(weight, index) for index in range(weight.experts)])
