@@ -888,6 +888,7 @@ def storage_rounding_error(folder: Path, ids: torch.Tensor, gguf_type: str) -> f
         return (model(ids[None]).logits[0] - expected).abs().max().item()
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
 def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf_type, tmp_path):
     """llama.cpp's logits on the GGUF are the fp32 merge's, for Qwen3.5's hybrid layers, for the llama
@@ -896,7 +897,6 @@ def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf
     rounding to the file's type does to this model in transformers, twice over (llama.cpp rounds in
     other places too: its f16 KV cache); a mistake in the tensors' form moves them by the logits' own
     size (~3)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     path = family_exports["gguf"]
     if gguf_type != "f16":
         result = export(family_exports["run"], tmp_path / "g", gguf=True, gguf_type=gguf_type)
@@ -907,9 +907,7 @@ def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf
         expected = load_transformers(family_exports["merged"])(ids[None]).logits[0]
         base = load_transformers(family_exports["run"].parent / "model")(ids[None]).logits[0]
     tolerance = 2 * storage_rounding_error(family_exports["merged"], ids, gguf_type)
-    llama = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
-    llama.eval(ids.tolist())
-    got = torch.from_numpy(llama.scores[: len(ids)].copy())
+    got = torch.tensor(llama_cpp({"model": str(path), "n_ctx": 64, "eval": ids.tolist()})["scores"])
     assert (got - expected).abs().max().item() < tolerance
     assert (base - expected).abs().max().item() > 2 * tolerance
 
