@@ -36,8 +36,11 @@ from checkpoints import (
     write_qwen2,
     write_qwen3,
     write_qwen3_5,
+    write_qwen3_5_moe,
+    write_qwen3_moe,
 )
 from test_export import make_run
+from test_moe import _fuse_experts
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
@@ -534,7 +537,9 @@ def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
 # The families whose GGUF form differs from the checkpoint's: Qwen3.5 as Qwen3_5ForCausalLM saves it
 # (untied) and as published (vision-language, tied, with an MTP head); Llama with llama3 RoPE, and tied
 # with head_dim 32 unlike hidden / heads (16), as Mistral Small has (Mistral's own test tokenizer is a
-# SentencePiece one, which --gguf refuses below).
+# SentencePiece one, which --gguf refuses below); the MoE families, their routed experts stacked:
+# Qwen3 MoE sparse in every layer, with 12 experts, so that the checkpoint's sorted names stream
+# expert 10 before expert 2; Qwen3.5 MoE with its shared expert.
 def centred_norms(folder: Path) -> Path:
     """Zero-centred norms near 0, as trained Qwen3.5 checkpoints have them (x̂·(1+w), w initialised to
     0): the random 1 + 0.2·noise of tests/checkpoints.py doubles every activation, and this tiny model
@@ -557,6 +562,17 @@ FAMILIES = {
     "llama-head_dim": lambda folder: write_llama(
         folder, tie=True, head_dim=32, rope_scaling={"rope_type": "default", "rope_theta": 500000.0}
     ),
+    "qwen3_moe": lambda folder: write_qwen3_moe(folder, vocab_size=VOCAB, mlp_only_layers=[], num_experts=12),
+    "qwen3_5_moe": lambda folder: centred_norms(write_qwen3_5_moe(folder)),
+}
+# llama.cpp's architecture of each of them, as general.architecture names it.
+ARCHITECTURES = {
+    "qwen3_5": "qwen35",
+    "qwen3_5vl": "qwen35",
+    "llama": "llama",
+    "llama-head_dim": "llama",
+    "qwen3_moe": "qwen3moe",
+    "qwen3_5_moe": "qwen35moe",
 }
 
 
@@ -574,6 +590,25 @@ def _value_rows(spec, head_size: int) -> list[int]:
     linear = spec.linear_attention
     order = _tiled(linear.num_key_heads, linear.num_value_heads // linear.num_key_heads)
     return [j * head_size + i for j in order for i in range(head_size)]
+
+
+def _mlp_tensors(spec, n: int, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's MLP tensors of layer n: a dense MLP's, or its routed experts' matrices stacked in
+    expert order [experts, out, in], their router, and the shared expert with its gate where it has one."""
+    projections = ("gate", "up", "down")
+    if spec.mlp_types[n] == "dense":
+        return {f"ffn_{p}.weight": layer[f"mlp.{p}_proj.weight"] for p in projections}
+    experts = range(spec.moe.num_experts)
+    found = {"ffn_gate_inp.weight": layer["mlp.gate.weight"]}
+    for p in projections:
+        found[f"ffn_{p}_exps.weight"] = torch.stack(
+            [layer[f"mlp.experts.{e}.{p}_proj.weight"] for e in experts]
+        )
+    if spec.moe.shared_expert_intermediate_size:
+        found["ffn_gate_inp_shexp.weight"] = layer["mlp.shared_expert_gate.weight"]
+        for p in projections:
+            found[f"ffn_{p}_shexp.weight"] = layer[f"mlp.shared_expert.{p}_proj.weight"]
+    return found
 
 
 def expected_gguf_tensors(spec, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -594,8 +629,7 @@ def expected_gguf_tensors(spec, merged: dict[str, torch.Tensor]) -> dict[str, to
         expected[blk + "attn_norm.weight"] = norm(layer["input_layernorm.weight"])
         post = "post_attention_norm" if qwen35 else "ffn_norm"
         expected[blk + post + ".weight"] = norm(layer["post_attention_layernorm.weight"])
-        for hf, name in [("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")]:
-            expected[f"{blk}{name}.weight"] = layer[f"mlp.{hf}.weight"]
+        expected |= {blk + name: tensor for name, tensor in _mlp_tensors(spec, n, layer).items()}
         if spec.layer_types[n] == "linear_attention":
             linear = spec.linear_attention
             v_rows = _value_rows(spec, linear.value_head_dim)
@@ -612,7 +646,7 @@ def expected_gguf_tensors(spec, merged: dict[str, torch.Tensor]) -> dict[str, to
             expected[blk + "ssm_out.weight"] = layer["linear_attn.out_proj.weight"][:, v_rows]
             continue
         q, k = layer["self_attn.q_proj.weight"], layer["self_attn.k_proj.weight"]
-        if not qwen35:
+        if spec.model_type == "llama":
             q, k = q[_pairwise(spec.num_heads, spec.head_dim)], k[_pairwise(spec.num_kv_heads, spec.head_dim)]
         expected[blk + "attn_q.weight"], expected[blk + "attn_k.weight"] = q, k
         expected[blk + "attn_v.weight"] = layer["self_attn.v_proj.weight"]
@@ -659,10 +693,21 @@ def _gguf_tensor(tensor) -> torch.Tensor:
     return data.view(torch.float16) if tensor.tensor_type.name == "F16" else data
 
 
+# The matrices the writer keeps in f32 whatever the file type, by GGUF name; vectors are f32 too.
+GGUF_F32 = (
+    "ssm_alpha.weight",
+    "ssm_beta.weight",
+    "ssm_conv1d.weight",
+    "ffn_gate_inp.weight",
+    "ffn_gate_inp_shexp.weight",
+)
+
+
 def test_gguf_tensors_are_the_merged_weights_in_llama_cpps_form(family_exports):
     """Every tensor is the merged model's, transformed as llama.cpp reads it (zero-centred norms +1 but
     the gated norm, A_log as -exp, value heads tiled, the conv squeezed; Llama's Q and K rows in
-    adjacent pairs), and nothing else is in the file but llama3's rope_freqs."""
+    adjacent pairs; routed experts stacked), stored f16 but the vectors and the matrices kept in f32,
+    and nothing else is in the file but llama3's rope_freqs."""
     from safetensors.torch import load_file
 
     spec = read_spec(family_exports["run"].parent / "model")
@@ -681,37 +726,53 @@ def test_gguf_tensors_are_the_merged_weights_in_llama_cpps_form(family_exports):
             continue
         assert got.shape == tensor.shape, name
         assert torch.equal(got, tensor.to(got.dtype)), name
+        kept_f32 = tensor.dim() == 1 or name.endswith(GGUF_F32)
+        assert found[name].tensor_type.name == ("F32" if kept_f32 else "F16"), name
 
 
 def test_gguf_metadata_is_what_llama_cpp_reads(family_exports):
     fields, _ = read_gguf(family_exports["gguf"])
     spec = read_spec(family_exports["run"].parent / "model")
     qwen35 = spec.linear_attention is not None
-    arch = "qwen35" if qwen35 else "llama"
+    arch = ARCHITECTURES[family_exports["kind"]]
     assert fields["general.architecture"] == arch
     missing = [key.format(arch=arch) for key in REQUIRED_KEYS if key.format(arch=arch) not in fields]
-    assert missing == [] or missing == ["tokenizer.chat_template"] and not qwen35
+    assert missing == [] or missing == ["tokenizer.chat_template"] and arch == "llama"
     assert fields[f"{arch}.attention.key_length"] == fields[f"{arch}.attention.value_length"] == spec.head_dim
     assert fields[f"{arch}.rope.dimension_count"] == spec.rotary_dim
     assert fields[f"{arch}.block_count"] == spec.num_layers
     if qwen35:
         linear = spec.linear_attention
         assert spec.rotary_dim == spec.head_dim // 4 == 4
-        assert fields["qwen35.rope.dimension_sections"] == [1, 1, 0, 0]
-        assert fields["qwen35.full_attention_interval"] == 4
-        assert fields["qwen35.ssm.conv_kernel"] == linear.conv_kernel
-        assert fields["qwen35.ssm.state_size"] == linear.key_head_dim
-        assert fields["qwen35.ssm.group_count"] == linear.num_key_heads
-        assert fields["qwen35.ssm.time_step_rank"] == linear.num_value_heads
-        assert fields["qwen35.ssm.inner_size"] == linear.value_dim
-        assert fields["tokenizer.ggml.pre"] == "qwen2"  # the demo tokenizer's split
-        assert fields["tokenizer.ggml.add_bos_token"] is False
+        assert fields[f"{arch}.rope.dimension_sections"] == [1, 1, 0, 0]
+        assert fields[f"{arch}.full_attention_interval"] == 4
+        assert fields[f"{arch}.ssm.conv_kernel"] == linear.conv_kernel
+        assert fields[f"{arch}.ssm.state_size"] == linear.key_head_dim
+        assert fields[f"{arch}.ssm.group_count"] == linear.num_key_heads
+        assert fields[f"{arch}.ssm.time_step_rank"] == linear.num_value_heads
+        assert fields[f"{arch}.ssm.inner_size"] == linear.value_dim
+    experts = {key.removeprefix(f"{arch}."): value for key, value in fields.items() if ".expert_" in key}
+    if spec.moe is None:
+        assert experts == {}
     else:
+        # tests/checkpoints.py's TINY_MOE: 2 of the experts a token, each of 32; Qwen3.5 MoE's shared
+        # expert of 48. Qwen3 MoE's 12 experts are FAMILIES'.
+        shared = {"expert_shared_feed_forward_length": 48} if arch == "qwen35moe" else {}
+        assert experts == {
+            "expert_count": {"qwen3moe": 12, "qwen35moe": 8}[arch],
+            "expert_used_count": 2,
+            "expert_feed_forward_length": 32,
+            **shared,
+        }
+    if arch == "llama":
         assert fields["tokenizer.ggml.pre"] == "llama-bpe"
         assert fields["tokenizer.ggml.add_bos_token"] is True
         assert fields["tokenizer.ggml.bos_token_id"] == ChatTokenizer.from_folder(
             family_exports["merged"]
         ).token_to_id("<|begin_of_text|>")
+    else:
+        assert fields["tokenizer.ggml.pre"] == "qwen2"  # the demo tokenizer's split
+        assert fields["tokenizer.ggml.add_bos_token"] is False
 
 
 @pytest.mark.parametrize(
@@ -741,39 +802,101 @@ def test_a_layer_pattern_llama_cpp_cannot_express_is_refused(tmp_path, run_cli):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
 
 
+def test_a_moe_whose_top_k_weights_are_not_renormalised_is_refused(tmp_path, run_cli):
+    """llama.cpp's qwen3moe always divides a token's top-k expert weights by their sum."""
+    settings = {"vocab_size": VOCAB, "mlp_only_layers": [], "norm_topk_prob": False}
+    run = make_run(tmp_path, "qwen3_moe", writer=lambda folder: write_qwen3_moe(folder, **settings))
+    line = error_line(run_cli("export", run, "--out", tmp_path / "o", "--gguf"))
+    assert (
+        "llama.cpp renormalises each token's top-k expert weights" in line and "norm_topk_prob false" in line
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_a_layers_experts_reach_the_file_before_the_next_layer_streams(tmp_path, monkeypatch):
+    """A layer's routed experts are held until their stacked tensors are written, and no longer: each
+    layer's are in the file before the next layer's first tensor is read."""
+    import qlora_cli.export.gguf_folder as gguf_folder
+
+    run = make_run(tmp_path, "qwen3_moe", writer=FAMILIES["qwen3_moe"])
+    merged_tensors, sizes = gguf_folder.merged_tensors, {}
+
+    def watched(*args):
+        for name, tensor in merged_tensors(*args):
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if layer is not None and layer not in sizes:
+                (partial,) = tmp_path.glob(".g.tmp-export-*/model-bf16.gguf")
+                sizes[layer] = partial.stat().st_size
+            yield name, tensor
+
+    monkeypatch.setattr(gguf_folder, "merged_tensors", watched)
+    out = export(run, tmp_path / "g", gguf=True).out
+    ends: dict[int, int] = {}
+    for tensor in gguf.GGUFReader(out / "model-bf16.gguf").tensors:
+        if tensor.name.endswith("_exps.weight"):
+            layer = int(tensor.name.split(".")[1])
+            ends[layer] = max(ends.get(layer, 0), tensor.data_offset + tensor.n_bytes)
+    assert sorted(sizes) == sorted(ends) == [0, 1, 2]
+    for layer in (1, 2):
+        assert sizes[layer] >= ends[layer - 1] > sizes[layer - 1]
+
+
+def test_experts_stored_fused_give_the_gguf_of_experts_stored_one_by_one(tmp_path):
+    """transformers 5's fused 3-D experts (gate_up_proj, down_proj) stream as the same per-expert
+    matrices, in another order, and become the same stacked tensors."""
+    run = make_run(tmp_path, "qwen3_5_moe", writer=FAMILIES["qwen3_5_moe"])
+    one_by_one = export(run, tmp_path / "a", gguf=True, gguf_type="f16").out / "model-f16.gguf"
+    _fuse_experts(run.parent / "model")
+    fused = export(run, tmp_path / "b", gguf=True, gguf_type="f16").out / "model-f16.gguf"
+    expected = {t.name: _gguf_tensor(t) for t in gguf.GGUFReader(one_by_one).tensors}
+    got = {t.name: _gguf_tensor(t) for t in gguf.GGUFReader(fused).tensors}
+    assert sorted(got) == sorted(expected) and "blk.0.ffn_gate_exps.weight" in got
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def _stored(x: torch.Tensor, gguf_type: str) -> torch.Tensor:
-    """`x` as a GGUF of `gguf_type` holds it (rows cut into blocks along the last dim)."""
-    if gguf_type == "q8_0":
+    """`x` as a GGUF of `gguf_type` holds it (rows cut into blocks along the last dim; f16 where rows
+    split into no whole q8_0 blocks, as the writer stores them)."""
+    if gguf_type == "q8_0" and x.shape[-1] % 32 == 0:
         kind = gguf.GGMLQuantizationType.Q8_0
         data = gguf.quants.quantize(x.detach().float().numpy(), kind)
         return torch.from_numpy(gguf.quants.dequantize(data, kind)).reshape(x.shape)
-    return x.to({"bf16": torch.bfloat16, "f16": torch.float16}[gguf_type]).float()
+    return x.to({"bf16": torch.bfloat16, "f16": torch.float16, "q8_0": torch.float16}[gguf_type]).float()
+
+
+# The matrices a GGUF keeps in f32: Gated DeltaNet's a and b, a MoE's router and shared expert's gate.
+F32_MATRICES = ("in_proj_a.weight", "in_proj_b.weight", "mlp.gate.weight", "mlp.shared_expert_gate.weight")
 
 
 def storage_rounding_error(folder: Path, ids: torch.Tensor, gguf_type: str) -> float:
     """How far the merged model's logits move when its matrices are rounded to `gguf_type` and so are
     the inputs of each matrix product, as llama.cpp's CPU kernels round them (an f16 matrix multiplies
-    f16 activations, a q8_0 one q8_0 activations): the error llama.cpp cannot avoid on this model."""
+    f16 activations, a q8_0 one q8_0 activations; the routed experts' 3-D matrices and their input
+    alike): the error llama.cpp cannot avoid on this model."""
     model = load_transformers(folder)
     with torch.no_grad():
         expected = model(ids[None]).logits[0]
         for name, param in model.named_parameters():
-            if param.dim() == 2 and not name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            if param.dim() >= 2 and not name.endswith(F32_MATRICES):
                 param.copy_(_stored(param, gguf_type))
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
                 module.register_forward_pre_hook(lambda _, args: (_stored(args[0], gguf_type),))
+            elif hasattr(module, "gate_up_proj"):  # transformers' routed experts: (hidden, choices, weights)
+                module.register_forward_pre_hook(lambda _, args: (_stored(args[0], gguf_type), *args[1:]))
         return (model(ids[None]).logits[0] - expected).abs().max().item()
 
 
+@needs_llama_cpp
 @pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
 def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf_type, tmp_path):
-    """llama.cpp's logits on the GGUF are the fp32 merge's, for Qwen3.5's hybrid layers and for the
-    llama architecture (llama3 RoPE through rope_freqs; a head_dim unlike hidden / heads), up to what
+    """llama.cpp's logits on the GGUF are the fp32 merge's, for Qwen3.5's hybrid layers, for the llama
+    architecture (llama3 RoPE through rope_freqs; a head_dim unlike hidden / heads) and for the MoE
+    families' routed experts (stacked in expert order, gate and up apart) and shared expert, up to what
     rounding to the file's type does to this model in transformers, twice over (llama.cpp rounds in
     other places too: its f16 KV cache); a mistake in the tensors' form moves them by the logits' own
     size (~3)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     path = family_exports["gguf"]
     if gguf_type != "f16":
         result = export(family_exports["run"], tmp_path / "g", gguf=True, gguf_type=gguf_type)
@@ -784,9 +907,7 @@ def test_llama_cpp_computes_the_merged_model_of_each_family(family_exports, gguf
         expected = load_transformers(family_exports["merged"])(ids[None]).logits[0]
         base = load_transformers(family_exports["run"].parent / "model")(ids[None]).logits[0]
     tolerance = 2 * storage_rounding_error(family_exports["merged"], ids, gguf_type)
-    llama = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
-    llama.eval(ids.tolist())
-    got = torch.from_numpy(llama.scores[: len(ids)].copy())
+    got = torch.tensor(llama_cpp({"model": str(path), "n_ctx": 64, "eval": ids.tolist()})["scores"])
     assert (got - expected).abs().max().item() < tolerance
     assert (base - expected).abs().max().item() > 2 * tolerance
 
@@ -836,3 +957,9 @@ def test_a_layer_kind_gets_its_gguf_form_through_the_registry_alone(monkeypatch)
 def test_a_layer_kind_without_a_gguf_form_is_refused_in_one_line():
     with pytest.raises(QLoraError, match="no GGUF form for layers of kind 'mixer_x'"):
         architecture(_spec_with_layer_kind("mixer_x"))
+
+
+def test_an_mlp_kind_without_a_gguf_form_is_refused_in_one_line():
+    spec = dataclasses.replace(TINY_SPEC, num_layers=2, mlp_types=("dense", "mlp_x"))
+    with pytest.raises(QLoraError, match="no GGUF form for MLPs of kind 'mlp_x'"):
+        architecture(spec)

@@ -373,9 +373,39 @@ def test_merged_nf4_export_loads_in_transformers_as_our_quantized_model(family, 
     assert _max_error(ours, load(out), ids) < 1e-4
 
 
-def test_gguf_export_of_a_moe_is_one_line(trained_runs, tmp_path):
-    with pytest.raises(QLoraError, match="routed experts are not written to GGUF yet"):
-        export(trained_runs["qwen3_moe"], tmp_path / "gguf", gguf=True)
+def test_gguf_of_a_qwen3_moe_with_dense_layers_is_refused_in_one_line(trained_runs, tmp_path, run_cli):
+    """llama.cpp's qwen3moe has routed experts in every layer; mlp_only_layers [1] makes layer 1 dense."""
+    code, _, err = run_cli("export", trained_runs["qwen3_moe"], "--out", tmp_path / "gguf", "--gguf")
+    lines = [text for text in err.splitlines() if text.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert (
+        "llama.cpp's qwen3moe has routed experts in every layer, and this model's layers [1] are dense MLPs "
+        "(config.json's mlp_only_layers and decoder_sparse_step)" in lines[0]
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gguf_of_an_nf4_run_holds_the_nf4_round_trip_of_its_experts(trained_runs, tmp_path):
+    """--gguf --base nf4: each routed expert's matrices are the NF4 round trip of the base's in the run's
+    compute dtype (the weights it trained against, no LoRA), stacked in expert order; bf16 holds them
+    exactly, as it holds the --merged bf16 export's."""
+    from qlora_cli.rundir.trainer_state import read_trainer_state
+    from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
+
+    gguf = pytest.importorskip("gguf")
+    run = trained_runs["qwen3_5_moe"]
+    result = export(run, tmp_path / "gguf", gguf=True, base="nf4")
+    reader = gguf.GGUFReader(result.out / result.gguf_file)
+    got = torch.from_numpy(
+        next(t for t in reader.tensors if t.name == "blk.2.ffn_down_exps.weight").data.copy()
+    )
+    checkpoint = sorted(run.glob("checkpoint-*"))[-1]
+    dtype = getattr(torch, read_trainer_state(checkpoint).compute_dtype)
+    base = load_file(run.parent / "model" / "model.safetensors")
+    experts = [base[f"model.layers.2.mlp.experts.{e}.down_proj.weight"] for e in range(8)]
+    expected = torch.stack([dequantize_nf4(quantize_nf4(w.to(dtype))) for w in experts])
+    assert torch.equal(got.view(torch.bfloat16), expected.to(torch.bfloat16))
+    assert not torch.equal(expected.to(torch.bfloat16), torch.stack(experts).to(torch.bfloat16))
 
 
 class _HostReads:

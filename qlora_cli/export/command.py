@@ -195,11 +195,6 @@ def export(
     skeleton = QLoRAModel(spec, lora_config(config))
     adapter = _read_adapter(checkpoint, skeleton, base_folder)
     if gguf:
-        if spec.moe is not None:
-            raise QLoraError(
-                f"--gguf: {spec.model_type}'s routed experts are not written to GGUF yet; export --merged "
-                "and convert it with llama.cpp's convert_hf_to_gguf.py"
-            )
         check_tokenizer(base_folder)
 
     round_trip = training_dtype(state) if base == "nf4" else None

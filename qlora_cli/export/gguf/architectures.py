@@ -1,12 +1,15 @@
 """What each family becomes in llama.cpp: its GGUF architecture, the metadata that architecture reads
 beyond the common keys, and what it does to every layer's tensors; each layer kind's own tensors are
-layer_kinds.py's.
+layer_kinds.py's, each MLP kind's mlp_kinds.py's.
 
 - qwen2 / qwen3: the tensors as they are. llama.cpp applies NeoX-style RoPE to these, as transformers
   does, so Q and K keep their row order.
-- qwen35 (Qwen3.5/3.6): every zero-centred norm x̂·(1+w) is stored as the plain weight 1+w (a layer
-  kind may keep a plain norm of its own); q_proj keeps query and gate interleaved per head, as
-  llama.cpp splits them; the layer kinds follow from one full-attention layer every N.
+- qwen3moe: qwen3's, with routed experts in every layer: llama.cpp has no dense MLP between them, so a
+  model with dense layers (mlp_only_layers, decoder_sparse_step) is refused.
+- qwen35 / qwen35moe (Qwen3.5/3.6, dense and MoE): every zero-centred norm x̂·(1+w) is stored as the
+  plain weight 1+w (a layer kind may keep a plain norm of its own); q_proj keeps query and gate
+  interleaved per head, as llama.cpp splits them; the layer kinds follow from one full-attention layer
+  every N. qwen35moe has routed experts in every layer, as the family does.
 - llama (Llama 3.x, Mistral): llama.cpp rotates adjacent pairs, transformers the two halves of each
   head, so Q's and K's rows are permuted within each head; llama3 RoPE becomes `rope_freqs.weight`,
   the factor each frequency is divided by.
@@ -20,25 +23,36 @@ import torch
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.gguf.layer_kinds import KindTensors, layer_kinds
+from qlora_cli.export.gguf.mlp_kinds import mlp_kinds
+from qlora_cli.export.gguf.parts import Part
 from qlora_cli.sources.families import family
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
-from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 
 ROPE_FREQS = "rope_freqs.weight"
 _DEFAULT_ROPE = RopeScaling()
+# llama.cpp's Qwen3.5 architectures: the same layers, with a dense MLP or routed experts.
+_QWEN35 = ("QWEN35", "QWEN35MOE")
+# llama.cpp's architectures with routed experts in every layer and no dense MLP.
+_EXPERTS_IN_EVERY_LAYER = ("QWEN3MOE", "QWEN35MOE")
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """One family's GGUF form: `arch` is the gguf package's MODEL_ARCH member name."""
+    """One family's GGUF form: `arch` is the gguf package's MODEL_ARCH member name, `kinds` the forms
+    of its layer kinds and MLP kinds. `part_of` takes a streamed tensor's name; the other methods a
+    name of the file's tensors: one that streams whole, or a whole that streamed ones are parts of."""
 
     arch: str
     spec: ModelSpec
     kinds: tuple[KindTensors, ...]
 
     def _kind(self, name: str) -> KindTensors:
-        """The layer kind whose own tensor this is; the identity for the others."""
+        """The layer or MLP kind whose own tensor this is; the identity for the others."""
         return next((k for k in self.kinds if f".{k.prefix}" in name), KindTensors(self.spec))
+
+    def part_of(self, name: str) -> Part | None:
+        return self._kind(name).part_of(name)
 
     def gguf_name(self, name: str) -> str:
         """The Hugging Face name gguf's TensorNameMap knows this tensor by."""
@@ -53,7 +67,7 @@ class Architecture:
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         kind = self._kind(name)
         tensor = kind.transform(name, tensor)
-        if self.arch == "QWEN35" and name.endswith("norm.weight") and not kind.plain_norm(name):
+        if self.arch in _QWEN35 and name.endswith("norm.weight") and not kind.plain_norm(name):
             return tensor.float() + 1
         if self.arch == "LLAMA":
             return self._llama(name, tensor)
@@ -77,7 +91,7 @@ class Architecture:
         spec = self.spec
         writer.add_rope_dimension_count(spec.rotary_dim)
         _add_rope_scaling(writer, gguf, spec, self.arch)
-        if self.arch == "QWEN35":
+        if self.arch in _QWEN35:
             sections = list(spec.mrope_section or (spec.rotary_dim // 2,))
             writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
             writer.add_full_attention_interval(full_attention_interval(spec))
@@ -130,4 +144,12 @@ def _add_rope_scaling(writer, gguf, spec: ModelSpec, arch: str) -> None:
 
 
 def architecture(spec: ModelSpec) -> Architecture:
-    return Architecture(family(spec.model_type, "--gguf").gguf_architecture, spec, tuple(layer_kinds(spec)))
+    """The family's GGUF form, or the line refusing what llama.cpp cannot express."""
+    arch = family(spec.model_type, "--gguf").gguf_architecture
+    dense = [layer for layer, mlp in enumerate(spec.mlp_types) if mlp == DENSE_MLP]
+    if arch in _EXPERTS_IN_EVERY_LAYER and dense:
+        raise QLoraError(
+            f"--gguf: llama.cpp's {arch.lower()} has routed experts in every layer, and this model's "
+            f"layers {dense} are dense MLPs (config.json's mlp_only_layers and decoder_sparse_step)"
+        )
+    return Architecture(arch, spec, (*layer_kinds(spec), *mlp_kinds(spec)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.export.gguf.parts import Part
 from qlora_cli.sources.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 
 
@@ -27,6 +28,10 @@ class KindTensors:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
+
+    def part_of(self, name: str) -> Part | None:
+        """The tensor of the file that this streamed one is a part of (parts.py), or None: its own."""
+        return None
 
     def gguf_name(self, name: str) -> str:
         return name

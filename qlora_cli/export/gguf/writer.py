@@ -2,7 +2,8 @@
 
 GGUF declares every tensor (name, shape, type, offset) before the data, so the header is written from
 the shapes config.json implies, and the data then tensor by tensor as the merged weights stream past:
-host memory stays near one tensor. Names and metadata keys are llama.cpp's for the family's
+host memory stays near one tensor, or one layer's routed experts, which llama.cpp holds as one tensor
+per projection (parts.py). Names and metadata keys are llama.cpp's for the family's
 architecture (qlora_cli/export/gguf/architectures.py), taken from the gguf package (TensorNameMap, the
 writer's add_* keys).
 """
@@ -18,6 +19,7 @@ import torch
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.export.gguf.architectures import Architecture, architecture
+from qlora_cli.export.gguf.parts import assemble, whole_shapes
 from qlora_cli.export.gguf.vocab import TOKENIZER_MODEL, Vocabulary
 from qlora_cli.sources.spec import ModelSpec
 
@@ -111,7 +113,8 @@ def write_gguf(
     gguf_type: str,
     model_name: str,
 ) -> None:
-    """Write `tensors` (Hugging Face names, arriving in the order of `names`) as one GGUF file."""
+    """Write `tensors` (Hugging Face names, arriving in the order of `names`) as one GGUF file, each
+    part of a whole tensor in its whole."""
     gguf = import_gguf()
     family = architecture(spec)
     arch = getattr(gguf.MODEL_ARCH, family.arch, None)
@@ -121,7 +124,7 @@ def write_gguf(
             "architecture; pip install 'gguf>=0.18'"
         )
     name_map = gguf.TensorNameMap(arch, spec.num_layers)
-    shapes = spec.expected_tensors()
+    wholes = whole_shapes(names, spec.expected_tensors(), family.part_of)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     _add_metadata(writer, gguf, spec, gguf_type, model_name)
     family.add_metadata(writer, gguf)
@@ -129,8 +132,8 @@ def write_gguf(
     extra = family.extra_tensors()
     declared = [(gguf_name, tuple(tensor.shape), True) for gguf_name, tensor in extra.items()]
     declared += [
-        (_gguf_name(name_map, family, name), family.shape(name, shapes[name]), family.keeps_f32(name))
-        for name in names
+        (_gguf_name(name_map, family, name), family.shape(name, shape), family.keeps_f32(name))
+        for name, shape in wholes.items()
     ]
     kinds = []
     for gguf_name, shape, keep_f32 in declared:
@@ -145,7 +148,7 @@ def write_gguf(
         writer.write_ti_data_to_file()
         for tensor, kind in zip(extra.values(), kinds, strict=False):
             writer.write_tensor_data(encode(gguf, tensor, kind))
-        streamed = zip(names, kinds[len(extra) :], tensors, strict=True)
+        streamed = zip(wholes, kinds[len(extra) :], assemble(tensors, family.part_of), strict=True)
         for expected, kind, (name, tensor) in streamed:
             if name != expected:
                 raise RuntimeError(f"GGUF data out of order: got {name}, declared {expected}")
