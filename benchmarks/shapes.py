@@ -81,6 +81,23 @@ def _qwen3_5(hidden: int, layers: int, intermediate: int, heads: int, value_head
     }
 
 
+def _qwen3_5_moe(hidden: int, layers: int, experts: int, top_k: int, expert_intermediate: int) -> dict:
+    """Qwen3.5 MoE's text decoder as Qwen3_5MoeForCausalLM saves it: Qwen3.5's layer pattern, every MLP
+    routed experts beside a gated shared expert of the experts' width; no dense intermediate size."""
+    config = _qwen3_5(hidden, layers, 0, heads=16, value_heads=32)
+    del config["intermediate_size"]
+    return {
+        **config,
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "num_key_value_heads": 2,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_intermediate,
+        "shared_expert_intermediate_size": expert_intermediate,
+    }
+
+
 def _qwen3(hidden: int, layers: int, intermediate: int, heads: int, tie: bool) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -110,6 +127,20 @@ MODELS = {
     "qwen3-8b": _qwen3(hidden=4096, layers=36, intermediate=12288, heads=32, tie=False),
     "qwen3.5-9b": _qwen3_5(hidden=4096, layers=32, intermediate=12288, heads=16, value_heads=32),
     "qwen3.5-27b": _qwen3_5(hidden=5120, layers=64, intermediate=17408, heads=24, value_heads=48),
+    "qwen3.5-35b-a3b": _qwen3_5_moe(hidden=2048, layers=40, experts=256, top_k=8, expert_intermediate=512),
+    "qwen3-30b-a3b": {
+        **_qwen3(hidden=2048, layers=48, intermediate=6144, heads=32, tie=False),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 40960,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

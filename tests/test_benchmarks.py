@@ -218,7 +218,9 @@ def test_every_recipe_reads_the_rows_and_tokenizer_the_recipe_benchmark_writes(t
         "qwen2.5-7b",
         "qwen3-0.6b",
         "qwen3-8b",
+        "qwen3-30b-a3b",
         "qwen3.5-27b",
+        "qwen3.5-35b-a3b",
         "qwen3.5-9b",
     }
     for config in CONFIGS:

@@ -115,22 +115,26 @@ def test_routing_ties_go_as_transformers_breaks_them(tmp_path):
     assert _max_error(ours, load_transformers(folder), _ids(ours.spec.vocab_size)) < 1e-4
 
 
-def _moe_mlp(frozen, top_k: int, hidden: int, generator: torch.Generator):
-    """A MoE MLP of 4 routed experts of intermediate size hidden / 2 alone, no shared expert, its
-    weights random (fp32), in `frozen`; and the dense matrices it was given, by (expert, projection)."""
-    spec = ModelSpec(
+def _moe_spec(top_k: int, hidden: int, dtype=torch.float32, renormalise: bool = False) -> ModelSpec:
+    """A one-layer MoE of 4 routed experts of intermediate size hidden / 2 alone, no shared expert."""
+    return ModelSpec(
         model_type="qwen3_moe", vocab_size=8, hidden_size=hidden, intermediate_size=24, num_layers=1,
         num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
         max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, qk_norm=True,
-        dtype=torch.float32, mlp_types=(MOE_MLP,), moe=MoESpec(4, top_k, hidden // 2, norm_topk_prob=False),
+        dtype=dtype, mlp_types=(MOE_MLP,), moe=MoESpec(4, top_k, hidden // 2, norm_topk_prob=renormalise),
     )  # fmt: skip
+
+
+def _moe_mlp(frozen, spec: ModelSpec, generator: torch.Generator):
+    """`spec`'s MoE MLP, its weights random, experts in `frozen`; and the dense matrices it was given, by
+    (expert, projection)."""
     mlp = MoEMLP(spec)
-    dense = {}
-    mlp.load("gate.weight", torch.randn(4, hidden, generator=generator), DENSE, torch.float32)
+    hidden, dense = spec.hidden_size, {}
+    mlp.load("gate.weight", torch.randn(4, hidden, generator=generator), DENSE, spec.dtype)
     for e in range(4):
         for name, shape in spec.moe.expert_tensors(hidden).items():
-            dense[e, name] = torch.randn(shape, generator=generator) / 4
-            mlp.load(f"experts.{e}.{name}.weight", dense[e, name], frozen, torch.float32)
+            dense[e, name] = (torch.randn(shape, generator=generator) / 4).to(spec.dtype)
+            mlp.load(f"experts.{e}.{name}.weight", dense[e, name], frozen, spec.dtype)
     return mlp, dense
 
 
@@ -141,7 +145,7 @@ def test_the_moe_mlp_sums_each_token_k_times_and_once_each(interpret, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     generator = torch.Generator().manual_seed(3)
     for top_k in (1, 2, 4):
-        mlp, dense = _moe_mlp(DENSE, top_k, 16, generator)
+        mlp, dense = _moe_mlp(DENSE, _moe_spec(top_k, 16), generator)
         h = torch.randn(1, 13, 16, generator=generator, requires_grad=True)
         out = mlp(h, None, None)
         probs = torch.softmax(h[0] @ mlp.router.T, -1)
@@ -436,13 +440,39 @@ def test_the_moe_mlp_reads_no_routing_on_the_host(frozen, monkeypatch):
     references, never bring a device value to the host, so a CUDA graph captures it as it does a dense
     layer: training's graphs and decoding's captured step take MoE models too."""
     generator = torch.Generator().manual_seed(4)
-    mlp, _ = _moe_mlp(frozen, 2, 64, generator)
+    mlp, _ = _moe_mlp(frozen, _moe_spec(2, 64, renormalise=True), generator)
     h = torch.randn(1, 9, 64, generator=generator, requires_grad=True)
     for interpret in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
         with _HostReads():
             out = mlp(h, None, None)
             torch.autograd.grad(out.square().sum(), h)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_the_planner_counts_what_a_moe_mlp_keeps_for_backward(renormalise, monkeypatch):
+    """The bytes autograd keeps per token through a MoE MLP (bf16, on the Triton kernels in the
+    interpreter), measured as the difference between two token counts so the frozen weights cancel, are
+    MoEMLP.kept_activations' bf16 values, exactly: a routed copy or a router tensor the planner misses
+    fails this."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(6)
+    spec = _moe_spec(2, 64, torch.bfloat16, renormalise)
+    mlp, _ = _moe_mlp(NF4, spec, generator)
+
+    def kept_bytes(tokens: int) -> int:
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        h = torch.randn(1, tokens, 64, generator=generator).bfloat16().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            mlp(h, None, None)
+        return sum(storages.values())
+
+    assert (kept_bytes(48) - kept_bytes(16)) / 32 == 2 * MoEMLP.kept_activations(spec)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])

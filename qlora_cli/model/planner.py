@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from qlora_cli.model.lora import LoRAConfig
 from qlora_cli.model.mixers import MIXERS
+from qlora_cli.model.mlps import MLPS
 from qlora_cli.model.sizes import BF16
-from qlora_cli.model.sliced_mlp import slice_working_bytes
 from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, ModelSpec
 from qlora_kernels.formats import NF4
 
@@ -54,20 +54,21 @@ def trainable_state_bytes(spec: ModelSpec, lora: LoRAConfig) -> int:
 
 
 def kept_activation_bytes(
-    spec: ModelSpec, tokens: int, lora_dropout: float = 0.0, kind: str = FULL_ATTENTION
+    spec: ModelSpec, tokens: int, lora_dropout: float = 0.0, kind: str = FULL_ATTENTION, mlp: str = DENSE_MLP
 ) -> int:
-    """What one layer of `kind` saves for backward when it is not recomputed (bf16).
+    """What one layer of `kind` and `mlp` saves for backward when it is not recomputed (bf16).
 
     Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
     rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
-    LoRA input, and down keeps the SwiGLU output. A Gated DeltaNet layer's delta rule keeps only
-    its inputs (kernels/delta_rule recomputes its chunk tables in backward).
+    LoRA input, and down keeps the SwiGLU output (a MoE layer's shared expert's, whose width is its
+    spec's intermediate_size). A Gated DeltaNet layer's delta rule keeps only its inputs
+    (kernels/delta_rule recomputes its chunk tables in backward).
     """
     per_token = (
         3 * spec.hidden_size  # layer input, residual, normed input
         + MIXERS[kind].kept_activations(spec)
         + 2 * spec.hidden_size  # residual after the mixer, normed
-        + 2 * spec.intermediate_size  # gate/up
+        + MLPS[mlp].kept_activations(spec)
     )
     if lora_dropout:
         mixer_output_input = MIXERS[kind].output_input_width(spec)
@@ -90,7 +91,7 @@ def kept_layer_bytes(
 ) -> int:
     """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
     backward (kernels.linear, kernels.swiglu)."""
-    activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout, kind)
+    activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout, kind, mlp)
     return activations + shape.lora.lora_weights_per_layer(spec, kind, mlp) * BF16
 
 
@@ -101,8 +102,8 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     1.5B and at 7B 128K, 8 % under (benchmarks/RESULTS.md; at 256K it is 15 % under): the rerun's
     activations and their gradients come to its mixer's kept activations and 6 rows of hidden_size a
     token (9.5 rows at Qwen2.5-7B, whose attention keeps 3.4; a Gated DeltaNet mixer keeps 8 at
-    Qwen3.5-9B); the MLP holds gate/up's output and its gradient (4 × intermediate_size)
-    for one slice of tokens (qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
+    Qwen3.5-9B); the MLP holds what its kind's backward_working_bytes says (a dense one gate/up's
+    output and its gradient, 4 × intermediate_size, for one slice of tokens: qlora_cli/model/sliced_mlp.py); offloaded inputs land in two buffers; the
     shared scratch holds the largest dequantized weight; the fused loss works in fixed chunks. A
     Gated DeltaNet layer's backward holds the delta rule's tables instead of the MLP's (the two run
     one after the other), built in passes that fit in the MLP's bytes (the mixer's
@@ -112,7 +113,7 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
     kinds = set(spec.layer_types)
     rerun = RERUN_ROWS * spec.hidden_size + max(MIXERS[kind].kept_activations(spec) for kind in kinds)
     per_token = rerun + (2 * spec.hidden_size if offload else 0)
-    mlp = slice_working_bytes(tokens, spec.intermediate_size)
+    mlp = max(MLPS[kind].backward_working_bytes(spec, tokens) for kind in set(spec.mlp_types))
     scratch = max(
         out * inp for kind in spec.layer_kinds for out, inp in spec.projection_shapes(*kind).values()
     )

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qlora_cli.model.modes import Projections
-from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens
+from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens, slice_working_bytes
 from qlora_cli.sources.spec import ModelSpec
 
 
@@ -24,6 +24,16 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
         self.scratch: torch.Tensor | None = None
+
+    @staticmethod
+    def kept_activations(spec: ModelSpec) -> int:
+        """Values a token keeps for the MLP's backward (bf16 units): gate/up's output."""
+        return 2 * spec.intermediate_size
+
+    @staticmethod
+    def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
+        """What its backward holds at once: one slice's gate/up output and its gradient."""
+        return slice_working_bytes(tokens, spec.intermediate_size)
 
     def scratch_numel(self) -> int:
         """Of the layer's shared weight buffer it needs none itself: its groups are the layer's."""

@@ -72,6 +72,28 @@ class MoEMLP(nn.Module):
                 stacked, self.num_experts, int(expert), tensor.to(dtype)
             )
 
+    @staticmethod
+    def kept_activations(spec: ModelSpec) -> int:
+        """Values a token keeps for the MLP's backward (bf16 units): the shared expert's gate/up output;
+        per routed copy, gate's and up's outputs and SwiGLU's (the grouped GEMMs keep no input), the
+        expert's output and the weight that multiplies it; the router's fp32 probabilities, and its
+        fp32 top k and their sum where they are renormalised; three int64 orderings of the copies."""
+        moe = spec.moe
+        routed = moe.top_k * (3 * moe.expert_intermediate_size + spec.hidden_size + 1)
+        router = 2 * moe.num_experts + (2 * moe.top_k + 2 if moe.norm_topk_prob else 0)
+        return 2 * moe.shared_expert_intermediate_size + routed + router + 3 * 4 * moe.top_k
+
+    @staticmethod
+    def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
+        """What its backward holds at once: the rerun's routed activations, and their gradients (the
+        expert outputs' and the sorted rows', gate's, up's and SwiGLU's), for every copy; the shared
+        expert runs unsliced beside them."""
+        moe = spec.moe
+        routed = moe.top_k * (3 * moe.expert_intermediate_size + spec.hidden_size)
+        gradients = moe.top_k * (3 * moe.expert_intermediate_size + 2 * spec.hidden_size)
+        shared = 4 * moe.shared_expert_intermediate_size
+        return tokens * (routed + gradients + shared) * 2
+
     def scratch_numel(self) -> int:
         """None of the layers' shared weight buffer: the grouped GEMMs decode NF4 tiles in registers."""
         return 0
