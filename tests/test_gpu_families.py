@@ -1,6 +1,9 @@
-"""A QLoRA step of a Qwen3.5-shaped model (one Gated DeltaNet layer, one gated attention layer) and of a
-Llama-3.1-shaped one (two layers), against transformers + PEFT + bitsandbytes on the same NF4 bytes and the
-same LoRA weights: the loss, the logits and every LoRA gradient agree.
+"""A QLoRA step of a Qwen3.5-shaped model (one Gated DeltaNet layer, one gated attention layer), of a
+Llama-3.1-shaped one (two layers) and of a Qwen3.5-35B-A3B-shaped mixture of experts (Qwen3.5's two layers,
+each MLP 256 routed experts and a shared one), against transformers + PEFT + bitsandbytes on the same NF4
+bytes and the same LoRA weights: the loss, the logits and every LoRA gradient agree. bitsandbytes leaves
+transformers' fused experts in the compute dtype, so the MoE checkpoint holds experts that are already
+their NF4 round trip: transformers multiplies by the values our NF4 experts decode to.
 
 transformers runs its torch paths throughout (for Qwen3.5 its own delta rule and conv1d, even where
 flash-linear-attention is importable: that package refuses Hopper's backward on triton 3.6), once in
@@ -13,12 +16,14 @@ import sys
 import pytest
 import torch
 from checkpoints import draw_lora_b
+from safetensors.torch import load_file, save_file
 
 from benchmarks.bnb import load_nf4_model
 from benchmarks.random_checkpoint import write_config_checkpoint
 from benchmarks.shapes import model_config
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.rundir.adapter import adapter_state_dict, trainable_tensors
+from qlora_kernels.nf4 import dequantize_nf4, quantize_nf4
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +31,7 @@ SHAPES = {
     # Layer 0 Gated DeltaNet, layer 1 gated attention.
     "qwen3.5-9b": {"full_attention_interval": 2},
     "llama-3.1-8b": {},
+    "qwen3.5-35b-a3b": {"full_attention_interval": 2},
 }
 TOKENS = 2048
 # Against the fp32 truth: the loss within 1 %, the logits within 2 % and each LoRA gradient within 5 %
@@ -45,7 +51,20 @@ HF_KERNELS = (
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory):
     config = {**model_config(request.param, layers=2), **SHAPES[request.param], "vocab_size": 32768}
-    return write_config_checkpoint(config, tmp_path_factory.mktemp(request.param), device="cuda")
+    folder = write_config_checkpoint(config, tmp_path_factory.mktemp(request.param), device="cuda")
+    _round_trip_routed_experts(folder)
+    return folder
+
+
+def _round_trip_routed_experts(folder) -> None:
+    """Each routed expert's matrix replaced by its NF4 round trip (bf16, as training quantizes it)."""
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        experts = [name for name in tensors if ".mlp.experts." in name]
+        for name in experts:
+            tensors[name] = dequantize_nf4(quantize_nf4(tensors[name].cuda())).cpu()
+        if experts:
+            save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _batch(vocab_size: int):
@@ -63,12 +82,14 @@ def _ours(folder) -> QLoRAModel:
 
 
 def _torch_paths(monkeypatch) -> None:
-    """transformers' Qwen3.5 module calls its torch delta rule and conv1d, whatever is installed."""
-    modeling = sys.modules.get("transformers.models.qwen3_5.modeling_qwen3_5")
-    if modeling is None:
-        return
-    for name in HF_KERNELS:
-        monkeypatch.setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
+    """transformers' Qwen3.5 modules (dense and MoE) call their torch delta rule and conv1d, whatever is
+    installed."""
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        modeling = sys.modules.get(f"transformers.models.{family}.modeling_{family}")
+        if modeling is None:
+            continue
+        for name in HF_KERNELS:
+            monkeypatch.setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
 
 
 def _theirs(folder, ours: QLoRAModel, dtype: torch.dtype, monkeypatch):
@@ -80,7 +101,10 @@ def _theirs(folder, ours: QLoRAModel, dtype: torch.dtype, monkeypatch):
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
     state = {name: tensor.to(dtype) for name, tensor in adapter_state_dict(ours).items()}
     result = set_peft_model_state_dict(model, state)
-    assert not [k for k in result.missing_keys if "lora_" in k] and not result.unexpected_keys
+    # PEFT takes gate_proj/up_proj/down_proj to adapt transformers' fused routed experts as well; left at
+    # their zero B they add nothing, as our routed experts take no LoRA.
+    missing = [k for k in result.missing_keys if "lora_" in k and ".mlp.experts." not in k]
+    assert not missing and not result.unexpected_keys
     return model.train()
 
 
