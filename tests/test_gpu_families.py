@@ -57,10 +57,12 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _round_trip_routed_experts(folder) -> None:
-    """Each routed expert's matrix replaced by its NF4 round trip (bf16, as training quantizes it)."""
+    """Each routed expert's matrix replaced by its NF4 round trip (bf16, as training quantizes it), and so
+    is the shared expert's gate, which ours keeps in bf16 and bitsandbytes quantizes as a Linear: both
+    then multiply by the same values."""
     for path in folder.glob("*.safetensors"):
         tensors = load_file(path)
-        experts = [name for name in tensors if ".mlp.experts." in name]
+        experts = [name for name in tensors if ".mlp.experts." in name or "shared_expert_gate" in name]
         for name in experts:
             tensors[name] = dequantize_nf4(quantize_nf4(tensors[name].cuda())).cpu()
         if experts:
