@@ -4,8 +4,9 @@ Usage: python -m benchmarks.compare CHECKPOINT|random:SHAPE[:LAYERS] [--batch 4]
        [--runners qlora,qlora-eager,qlora-fp8,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
        [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--packed 512] [--json FILE]
 
-Each runner trains LoRA r=16 on every decoder linear of the same checkpoint (benchmarks/random_checkpoint.py
-writes one of any shape in benchmarks/shapes.py: Qwen2.5, Qwen3.5, Llama 3.1, Mistral Small; `random:SHAPE`
+Each runner trains LoRA r=16 on every decoder linear but a MoE's routed experts (each prints how many weights
+it trains) of the same checkpoint (benchmarks/random_checkpoint.py writes one of any shape in
+benchmarks/shapes.py: Qwen2.5, Qwen3.5, Qwen3.5 MoE, Qwen3 MoE, Llama 3.1, Mistral Small; `random:SHAPE`
 has qlora's runners draw that shape's weights on the GPU instead, for shapes too large to write), on the same
 random batch, in its own process so peak memory is its own. For Qwen3.5 every linear is q/k/v/o, the MLP's,
 and the Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj; HF runs transformers' torch fallback of
@@ -77,6 +78,10 @@ def base_config(checkpoint) -> dict:
         return model_config(name, int(layers) if layers else None)
     with open(f"{checkpoint}/config.json") as f:
         return json.load(f)
+
+
+# A MoE layer's routed experts, as PEFT matches module names.
+ROUTED_EXPERTS = r".*\.mlp\.experts(\..*)?"
 
 
 def lora_targets(checkpoint) -> list[str]:
@@ -163,6 +168,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     estimate = estimated_peak_bytes(spec, shape, recompute, offload=offload) / 2**30
     return _timed(step, args) | {
         "load_s": load_s,
+        "trained_weights": sum(p.numel() for p in model.trainable_parameters()),
         "recomputed_layers": recompute,
         "offloaded": offload,
         "estimated_peak_gib": estimate,
@@ -190,8 +196,14 @@ def run_hf(args, liger: bool) -> dict:
         if param.dtype == torch.float32 and type(param).__name__ != "Params4bit":
             param.data = param.data.to(torch.bfloat16)
     targets = lora_targets(args.checkpoint)
+    # qlora's routed experts take no LoRA: PEFT is kept off transformers' fused experts, which it would
+    # otherwise adapt under the MLP's names, so both train the same targets.
+    experts = ROUTED_EXPERTS if read_spec(args.checkpoint).moe else None
     model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
+        model,
+        LoraConfig(
+            r=16, lora_alpha=32, target_modules=targets, exclude_modules=experts, task_type="CAUSAL_LM"
+        ),
     )
     return _train_transformers_model(model, args, start)
 
@@ -236,7 +248,7 @@ def _train_transformers_model(model, args, start: float) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return _timed(step, args) | {"load_s": load_s}
+    return _timed(step, args) | {"load_s": load_s, "trained_weights": sum(p.numel() for p in trainable)}
 
 
 def _timed(step, args) -> dict:
