@@ -1,6 +1,7 @@
 """Mixture-of-experts families (Qwen3 MoE, Qwen3.5 MoE) against transformers on tiny random checkpoints:
 logits, greedy generation and LoRA gradients (through PEFT), routed experts stored per expert or fused,
-routing ties, NF4 experts, and the settings qlora refuses in one line."""
+routing ties, NF4 experts, merged exports (fused experts written fused), and the settings qlora refuses
+in one line."""
 
 import dataclasses
 import functools
@@ -10,17 +11,21 @@ import pytest
 import torch
 from checkpoints import add_demo_tokenizer, load_transformers, write_qwen3_5_moe, write_qwen3_moe, write_run
 from safetensors.torch import load_file, save_file
+from test_export import stored_tensors
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.export.command import export
+from qlora_cli.export.command import export, find_checkpoint
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
+from qlora_cli.model.from_config import lora_config
 from qlora_cli.model.mlps import MoEMLP
-from qlora_cli.rundir.adapter import adapter_state_dict, trainable_tensors
-from qlora_cli.sources.model_config import spec_from_config
+from qlora_cli.rundir.adapter import adapter_state_dict, load_adapter_state, trainable_tensors
+from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
+from qlora_cli.sources.model_config import read_spec, spec_from_config
 from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP, ModelSpec, MoESpec
+from qlora_cli.sources.weights import rewrite_checkpoint, stream_tensors
 from qlora_cli.train.loop import train
 from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.grouped_linear import GroupedNF4Weight
@@ -44,11 +49,10 @@ def _max_error(ours: QLoRAModel, theirs, ids: torch.Tensor) -> float:
         return (ours(ids) - theirs(input_ids=ids).logits).abs().max().item()
 
 
-def _fuse_experts(folder) -> None:
-    """Rewrite the checkpoint's routed experts in transformers' fused 3-D form: mlp.experts.gate_up_proj
+def _fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with each layer's routed experts in transformers' fused 3-D form: mlp.experts.gate_up_proj
     [E, 2I, H] (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, H, I]."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
+    tensors = dict(tensors)
     prefixes = sorted({name.split(".experts.")[0] for name in tensors if ".mlp.experts." in name})
     for prefix in prefixes:
         experts = len(
@@ -58,7 +62,14 @@ def _fuse_experts(folder) -> None:
                for e in range(experts)]  # fmt: skip
         tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in pop])
         tensors[f"{prefix}.experts.down_proj"] = torch.stack([d for _, _, d in pop])
-    save_file(tensors, path, metadata={"format": "pt"})
+    return tensors
+
+
+def _fuse_experts(folder):
+    """Rewrite the checkpoint's routed experts fused, as transformers 5 writes them; returns the folder."""
+    path = folder / "model.safetensors"
+    save_file(_fused(load_file(path)), path, metadata={"format": "pt"})
+    return folder
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))
@@ -342,10 +353,24 @@ def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, ru
 @pytest.fixture(scope="module")
 def trained_runs(tmp_path_factory):
     """A run of each MoE family, 2 steps of LoRA on every projection it has, NF4 base."""
+    return _train_each(tmp_path_factory, TRAIN_WRITERS)
+
+
+@pytest.fixture(scope="module")
+def fused_runs(tmp_path_factory):
+    """The runs of trained_runs again, on their bases with the routed experts stored fused."""
+    writers = {
+        family: lambda folder, write=write: _fuse_experts(write(folder))
+        for family, write in TRAIN_WRITERS.items()
+    }
+    return _train_each(tmp_path_factory, writers)
+
+
+def _train_each(tmp_path_factory, writers):
     runs = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "0")  # module-scoped: set up before the reference_ops fixture
-        for family, writer in TRAIN_WRITERS.items():
+        for family, writer in writers.items():
             runs[family] = _train_briefly(tmp_path_factory.mktemp(family), writer)
     return runs
 
@@ -375,6 +400,62 @@ def test_merged_nf4_export_loads_in_transformers_as_our_quantized_model(family, 
         group.lora_B[n].abs().max() > 0 for group in ours.layers[0].projections.values() for n in group.lora_B
     )
     assert _max_error(ours, load(out), ids) < 1e-4
+
+
+def _with_adapter(run, *, quantize: bool) -> QLoRAModel:
+    """Our model of the run's base, NF4 as it trained or as stored, with its newest checkpoint's adapter."""
+    checkpoint = find_checkpoint(run)
+    config = read_checkpoint_config(checkpoint)
+    model = QLoRAModel.from_pretrained(config.base_model, quantize=quantize, lora=lora_config(config))
+    load_adapter_state(model, read_checkpoint_adapter(checkpoint), "test")
+    return model.eval()
+
+
+def test_a_fused_checkpoint_rewrites_as_stored_one_expert_matrix_at_a_time(tmp_path):
+    """Unchanged, the rewrite is the checkpoint as stored, fused experts included; the change sees each
+    expert's matrix alone, as stream_tensors reads it for training."""
+    folder = _fuse_experts(write_qwen3_5_moe(tmp_path / "model"))
+    spec = read_spec(folder)
+    seen = {}
+
+    def unchanged(name, tensor):
+        seen[name] = tensor
+        return tensor
+
+    rewritten = dict(rewrite_checkpoint(folder, spec, unchanged))
+    stored = stored_tensors(folder)
+    assert sorted(rewritten) == sorted(stored) and "model.layers.0.mlp.experts.gate_up_proj" in stored
+    for name, tensor in stored.items():
+        assert torch.equal(rewritten[name], tensor), name
+    streamed = dict(stream_tensors(folder, spec))
+    assert list(seen) == list(streamed)
+    for name, tensor in streamed.items():
+        assert torch.equal(seen[name], tensor), name
+
+
+@pytest.mark.parametrize("base", ["original", "nf4"])
+@pytest.mark.parametrize("family", sorted(TRAIN_WRITERS))
+def test_a_merged_export_keeps_fused_experts_fused(family, base, fused_runs, trained_runs, tmp_path):
+    """--merged of a run trained on routed experts stored fused (transformers 5's form) writes them fused:
+    the base's tensor names and shapes, transformers' logits on it our model's with the adapter, and its
+    experts those of the same base stored per expert, exported, fused: bit for bit (routed experts take no
+    LoRA, so another run on that base has the same; under --base nf4 each expert's gate, up and down
+    round-trip NF4 alone, as training quantized them)."""
+    run = fused_runs[family]
+    out = export(run, tmp_path / "fused", merged=True, base=base, dtype="float32").out
+    merged, stored = stored_tensors(out), stored_tensors(run.parent / "model")
+    assert {n: t.shape for n, t in merged.items()} == {n: t.shape for n, t in stored.items()}
+    ours = _with_adapter(run, quantize=base == "nf4")
+    assert _max_error(ours, load_transformers(out), _ids(ours.spec.vocab_size)) < 1e-4
+    per_expert = export(
+        trained_runs[family], tmp_path / "per_expert", merged=True, base=base, dtype="float32"
+    )
+    expected = _fused(stored_tensors(per_expert.out))
+    experts = [name for name in stored if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(experts) == 2 * ours.spec.mlp_types.count(MOE_MLP)
+    for name in experts:
+        assert torch.equal(merged[name], expected[name]), name
+    assert any(not torch.equal(merged[name], stored[name]) for name in experts) == (base == "nf4")
 
 
 def test_gguf_of_a_qwen3_moe_with_dense_layers_is_refused_in_one_line(trained_runs, tmp_path, run_cli):

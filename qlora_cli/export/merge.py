@@ -15,7 +15,7 @@ from qlora_cli.rundir.adapter import PREFIX
 from qlora_cli.rundir.names import STATE_FILE
 from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.spec import ModelSpec
-from qlora_cli.sources.weights import canonical_name, stream_checkpoint, stream_tensors
+from qlora_cli.sources.weights import canonical_name, rewrite_checkpoint, stream_tensors
 from qlora_kernels.formats import NF4
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -93,11 +93,11 @@ def merged_tensors(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
 
 def merged_checkpoint(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
     """The base checkpoint in its own layout and names, the decoder merged: a vision-language
-    checkpoint's vision tower and any MTP head pass through unchanged, so the result loads as the class
-    the base's config.json names."""
+    checkpoint's vision tower and any MTP head pass through unchanged, and routed experts stored fused
+    stay fused, so the result loads as the class the base's config.json names."""
     named = by_tensor_name(merge.adapter)
-    for stored, name, tensor in stream_checkpoint(merge.base_folder, merge.spec):
-        yield (
-            stored,
-            tensor if name is None else merge_tensor(name, tensor, named, merge.scaling, merge.round_trip),
-        )
+    return rewrite_checkpoint(
+        merge.base_folder,
+        merge.spec,
+        lambda name, tensor: merge_tensor(name, tensor, named, merge.scaling, merge.round_trip),
+    )

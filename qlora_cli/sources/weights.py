@@ -1,14 +1,15 @@
 """Checkpoint reading: safetensors shards checked against a ModelSpec and streamed tensor by tensor.
 
 Readers hand tensors over and build nothing: the model decides what to do with each one, so host
-memory stays near one tensor however large the checkpoint is.
+memory stays near one tensor however large the checkpoint is. A rewrite in the checkpoint's own layout
+(a merged export) puts a fused tensor back together from its experts' matrices, one stored tensor at a time.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,13 +186,17 @@ def locate_tensors(folder: Path, spec: ModelSpec) -> TensorLocations:
     return check_tensors(shard_files(folder), spec)
 
 
+def _share(matrix: torch.Tensor, piece: ExpertSlice) -> torch.Tensor:
+    """The rows of one expert's matrix of a fused tensor that are `piece`'s (a view where it can be)."""
+    return matrix.chunk(piece.chunks, dim=0)[piece.chunk]
+
+
 def _read(f, file: Path, stored: str, piece: ExpertSlice | None = None) -> torch.Tensor:
     try:
         if piece is None:
             return f.get_tensor(stored)
         # One expert's rows of the fused tensor, then its share of them.
-        matrix = f.get_slice(stored)[piece.expert]
-        return matrix.chunk(piece.chunks, dim=0)[piece.chunk].contiguous()
+        return _share(f.get_slice(stored)[piece.expert], piece).contiguous()
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise QLoraError(f"{file}: cannot read tensor {stored} (truncated or corrupt?): {err}") from None
 
@@ -206,16 +211,37 @@ def stream_tensors(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.T
                 yield name, _read(f, file, stored, locations.expert_slices.get(name))
 
 
-def stream_checkpoint(folder: Path, spec: ModelSpec) -> Iterator[tuple[str, str | None, torch.Tensor]]:
-    """Yield (name in the checkpoint, name as stream_tensors gives it, tensor) for the tensors the spec
-    needs and those of the skipped parts (whose second name is None), one at a time, shard by shard: the
-    checkpoint in its own layout, for a writer that keeps it."""
+Change = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _rewrite(
+    f, file: Path, stored: str, names: list[str], slices: dict[str, ExpertSlice], change: Change
+) -> torch.Tensor:
+    """The stored tensor with `change` applied to what stream_tensors reads of it: the tensor itself, or
+    each routed expert's matrix of a fused one, read and changed alone (as training quantizes it) and put
+    back in its place."""
+    if names[0] not in slices:
+        return change(names[0], _read(f, file, stored))
+    fused = None
+    for name in names:
+        changed = change(name, _read(f, file, stored, slices[name]))
+        if fused is None:
+            fused = changed.new_empty(f.get_slice(stored).get_shape())
+        _share(fused[slices[name].expert], slices[name]).copy_(changed)
+    return fused
+
+
+def rewrite_checkpoint(folder: Path, spec: ModelSpec, change: Change) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name in the checkpoint, tensor) for the tensors the spec needs, each as `change(name as
+    stream_tensors gives it, tensor)` makes it, and those of the skipped parts unchanged, one stored
+    tensor at a time, shard by shard: the checkpoint in its own layout, for a writer that keeps it."""
     locations = locate_tensors(folder, spec)
-    if locations.expert_slices:
-        raise QLoraError("a checkpoint of fused routed experts cannot be rewritten in its own layout yet")
     for file in dict.fromkeys([*locations.by_file, *locations.skipped_by_file]):
+        read_as: dict[str, list[str]] = {}
+        for name, stored in locations.by_file.get(file, {}).items():
+            read_as.setdefault(stored, []).append(name)
         with _open(file) as f:
-            for name, stored in locations.by_file.get(file, {}).items():
-                yield stored, name, _read(f, file, stored)
+            for stored, names in read_as.items():
+                yield stored, _rewrite(f, file, stored, names, locations.expert_slices, change)
             for stored in locations.skipped_by_file.get(file, []):
-                yield stored, None, _read(f, file, stored)
+                yield stored, _read(f, file, stored)
