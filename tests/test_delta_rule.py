@@ -380,3 +380,33 @@ def test_gpu_cuda_graph_replay_equals_eager(tokens_per_pass):
     torch.cuda.synchronize()
     torch.testing.assert_close(graph_o, eager_o, atol=0, rtol=0)
     torch.testing.assert_close(graph_state, eager_state, atol=0, rtol=0)
+
+
+def test_each_chunks_solve_inverts_i_plus_a():
+    """The tables' T is (I + A)^-1 for every chunk, with A[i, j] = beta_i (k_i . k_j) exp(b_i - b_j) for
+    the earlier tokens j of i's document: documents start mid-16-token block (7, 37, 100) and on block
+    and chunk boundaries (16, 64, 128), so the four diagonal inversions and their merges all see resets.
+    A's entries stay within 1 (unit keys, beta < 1, decays <= 1) and T's within a few units, so
+    T (I + A) sums 64 products of that size: fp32 puts it within 64 ulp of I, 1e-5."""
+    from qlora_kernels._layout import document_index
+    from qlora_kernels.delta_rule.tables import _chunk_cumsum, _chunk_tables, _normalized
+
+    seq = 150
+    doc_ids = _doc_ids([[7, 9, 21, 27, 64, 22], [16, 84, 28, 22]])
+    q, k, v, g, beta, _ = (t.detach() for t in _inputs(seq=seq, v_heads=2, k_heads=1))
+    docs = document_index(doc_ids)
+    k = _normalized(k, 1.0, True, torch.float32)
+    b = _chunk_cumsum(g, docs, False)
+    t = _chunk_tables(_normalized(q, 1.0, True, torch.float32), k, v, beta, b, docs)[0]
+    for row in range(2):
+        for head in range(2):
+            for start in range(0, seq, CHUNK):
+                span = slice(start, min(start + CHUNK, seq))
+                n = span.stop - span.start
+                keys, decay = k[row, span, 0], b[row, span, head]
+                same = docs[row, span, None] == docs[row, None, span]
+                earlier = torch.arange(n)[:, None] > torch.arange(n)[None, :]
+                a = beta[row, span, head, None] * (keys @ keys.T) * (decay[:, None] - decay[None, :]).exp()
+                a = torch.where(same & earlier, a, 0.0)
+                inverse = t[row, span, head, :n].tril()  # the kernel writes T's lower blocks alone
+                _assert_close(inverse @ (torch.eye(n) + a), torch.eye(n), name=f"{row} {head} {start}")

@@ -145,15 +145,20 @@ if TRITON_AVAILABLE:
         return tl.where(mask, _mma(k_i, tl.trans(k_j), dtype) * decay * beta_i[:, None], 0.0)
 
     @triton.jit
-    def _unit_lower_inverse(a):
-        """(I + a)^-1 for a strictly lower 16 x 16 tile: x <- I - a x, fifteen times. Row i is final
-        once the rows above it are (a^16 = 0), with forward substitution's arithmetic, so no power
-        of a (whose entries can grow like binomials) is ever formed."""
+    def _unit_lower_inverses(a0, a1, a2, a3):
+        """(I + a)^-1 for each of four strictly lower 16 x 16 tiles: x <- I - a x, fifteen times. Row i
+        is final once the rows above it are (a^16 = 0), with forward substitution's arithmetic, so no
+        power of a (whose entries can grow like binomials) is ever formed. The four chains step
+        together, so each step's four products are independent and overlap: fifteen dependent steps
+        in all, not sixty."""
         eye = (tl.arange(0, 16)[:, None] == tl.arange(0, 16)[None, :]).to(tl.float32)
-        x = eye
+        x0, x1, x2, x3 = eye, eye, eye, eye
         for _ in range(15):
-            x = eye - tl.dot(a, x, input_precision="ieee")
-        return x
+            x0 = eye - tl.dot(a0, x0, input_precision="ieee")
+            x1 = eye - tl.dot(a1, x1, input_precision="ieee")
+            x2 = eye - tl.dot(a2, x2, input_precision="ieee")
+            x3 = eye - tl.dot(a3, x3, input_precision="ieee")
+        return x0, x1, x2, x3
 
     @triton.jit
     def _store_block(t_ptr, rows, col, tile, seq, row_stride):
@@ -270,10 +275,7 @@ if TRITON_AVAILABLE:
         a30 = _block_a(k3, be3, b3, d3, r3, k0, b0, d0, r0, dot)
         a31 = _block_a(k3, be3, b3, d3, r3, k1, b1, d1, r1, dot)
         a32 = _block_a(k3, be3, b3, d3, r3, k2, b2, d2, r2, dot)
-        t00 = _unit_lower_inverse(a00)
-        t11 = _unit_lower_inverse(a11)
-        t22 = _unit_lower_inverse(a22)
-        t33 = _unit_lower_inverse(a33)
+        t00, t11, t22, t33 = _unit_lower_inverses(a00, a11, a22, a33)
         t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
         t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
         t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision="ieee"), input_precision="ieee")
