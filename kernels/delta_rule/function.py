@@ -181,10 +181,8 @@ def _span_backward(q, k, v, g, beta, docs, initial_state, do, dfinal, scale, nor
     dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
         q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal
     )
-    batch, seq, k_heads, k_dim = q.shape
-    per_k_head = (batch, seq, k_heads, v.shape[2] // k_heads, k_dim)
-    dq = _normalized_backward(q, dq_hat.view(per_k_head).sum(3), scale, normalize_qk)
-    dk = _normalized_backward(k, dk_hat.view(per_k_head).sum(3), 1.0, normalize_qk)
+    dq = _normalized_backward(q, dq_hat, scale, normalize_qk)
+    dk = _normalized_backward(k, dk_hat, 1.0, normalize_qk)
     dg = _chunk_cumsum(db, docs, True).to(g.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 

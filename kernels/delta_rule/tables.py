@@ -57,16 +57,21 @@ if TRITON_AVAILABLE:
         n_rows,
         dim,
         scale,
+        GROUP: tl.constexpr,
         NORMALIZE: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """d(x r) = r (dy - y (y . dy)) with r = (sum x^2 + eps)^-1/2 and y = x r, recomputed from x."""
+        """d(x r) = r (dy - y (y . dy)) with r = (sum x^2 + eps)^-1/2 and y = x r, recomputed from x;
+        dy is the sum of the GROUP consecutive heads of dy_ptr's that read this head."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (rows < n_rows)[:, None] & (dims < dim)
         offsets = rows[:, None] * dim + dims
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0) * scale
+        dy = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for reader in tl.static_range(GROUP):
+            dy += tl.load(dy_ptr + (rows[:, None] * GROUP + reader) * dim + dims, mask=mask, other=0.0)
+        dy = dy * scale
         if NORMALIZE:
             token, head = rows // n_heads, rows % n_heads
             x_rows = (token // seq) * x_stride_b + (token % seq) * x_stride_t + head * x_stride_h
@@ -420,7 +425,10 @@ def _normalized(x: torch.Tensor, scale: float, normalize: bool, dtype: torch.dty
 
 
 def _normalized_backward(x: torch.Tensor, dy: torch.Tensor, scale: float, normalize: bool) -> torch.Tensor:
+    """dx for x [B, T, H, D] from dy [B, T, H·G, D] contiguous, of the G heads that read each of x's
+    (value heads sharing a key head), summed in the kernel."""
     batch, seq, heads, dim = x.shape
+    group = dy.shape[2] // heads
     n_rows = batch * seq * heads
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _l2norm_bwd_kernel[(triton.cdiv(n_rows, _L2NORM_ROWS),)](
@@ -435,6 +443,7 @@ def _normalized_backward(x: torch.Tensor, dy: torch.Tensor, scale: float, normal
         n_rows,
         dim,
         scale,
+        GROUP=group,
         NORMALIZE=normalize,
         BLOCK_R=_L2NORM_ROWS,
         BLOCK_D=triton.next_power_of_2(dim),
