@@ -10,7 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen3_5_moe, write_qwen3_moe, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    load_transformers,
+    write_qwen3,
+    write_qwen3_5_moe,
+    write_qwen3_moe,
+    write_run,
+)
 from safetensors.torch import load_file, save_file
 from test_export import stored_tensors
 
@@ -389,21 +396,78 @@ def test_trains_with_packing_and_recompute(family, tmp_path):
     [
         (
             {"lora_target_modules": ["q_proj", "experts"]},
-            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts, which take no "
-            "LoRA yet (its attention, Gated DeltaNet and shared-expert projections do)",
+            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts, which take "
+            "LoRA through lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
         ),
         (
-            {"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
-            "config key 'lora_target_parameters' is not supported: a MoE model's routed experts take no "
-            "LoRA yet: remove it",
+            {"lora_target_parameters": ["experts.gate_up_proj", "mlp.experts.gate_proj"]},
+            "config key 'lora_target_parameters': 'mlp.experts.gate_proj' is not a routed experts' parameter "
+            "(expected mlp.experts.gate_up_proj or mlp.experts.down_proj)",
+        ),
+        (
+            {"lora_target_parameters": ["model.layers.0.mlp.experts.down_proj"]},
+            "config key 'lora_target_parameters': 'model.layers.0.mlp.experts.down_proj' is not a routed "
+            "experts' parameter",
+        ),
+        (
+            {"lora_target_parameters": ["down_proj"], "lora_dropout": 0.1},
+            "PEFT's LoRA on routed experts takes no dropout; set lora_dropout: 0",
+        ),
+        (
+            {"lora_target_parameters": ["mlp.experts.down_proj"], "model": "dense"},
+            "config key 'lora_target_parameters': this qwen3 model has no routed experts",
         ),
     ],
 )
-def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, run_cli):
-    path = write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4, **keys)
+def _write_dense(folder):
+    return add_demo_tokenizer(write_qwen3(folder, vocab_size=1024))
+
+
+def test_asking_lora_for_the_routed_experts_wrongly_is_one_line(keys, line, tmp_path, run_cli):
+    writer = _write_dense if keys.pop("model", None) else TRAIN_WRITERS["qwen3_moe"]
+    path = write_run(tmp_path / "run", model_writer=writer, rows=4, **keys)
     code, _, err = run_cli("train", path)
     lines = [text for text in err.splitlines() if text.strip()]
     assert code == 2 and len(lines) == 1 and line in lines[0], err
+
+
+def _write_all_sparse(folder):
+    """Qwen3 MoE with routed experts in every layer. (With a dense layer's gate_proj/up_proj among
+    target_modules, PEFT converts those names, as for a transformers 4 adapter, into LoRA on the fused
+    gate_up_proj at rank 2r, which then clashes with target_parameters' rank-r one.)"""
+    return add_demo_tokenizer(write_qwen3_moe(folder, vocab_size=1024, mlp_only_layers=[]))
+
+
+def test_routed_expert_lora_trains_saves_as_peft_and_resumes(tmp_path, run_cli):
+    """lora_target_parameters with lora_target_linear: the start says what the experts' LoRA adds, the
+    adapter holds it under PEFT's names with target_parameters in its config, PEFT loads the folder as
+    saved onto transformers' model and gives our logits, and `qlora resume` reloads it and trains on."""
+    from peft import PeftModel
+
+    path = write_run(
+        tmp_path / "run", model_writer=_write_all_sparse, rows=8, sequence_len=96, max_steps=2,
+        learning_rate=3e-3, lora_target_linear=True, lora_target_parameters=EXPERT_TARGETS,
+    )  # fmt: skip
+    code, out, err = run_cli("train", path)
+    assert code == 0, err
+    spec = read_spec(tmp_path / "run" / "model")
+    weights = 3 * LoRAConfig(r=4, expert_targets=EXPERT_PARAMETERS).expert_weights_per_layer(spec)
+    assert f"routed experts' LoRA (gate_up_proj, down_proj): {weights:,} weights" in out + err
+    output = tmp_path / "run" / "out"
+    adapter = load_file(output / "adapter_model.safetensors")
+    assert sum(t.numel() for n, t in adapter.items() if ".mlp.experts." in n) == weights
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in adapter
+    config = json.loads((output / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERT_TARGETS
+    theirs = PeftModel.from_pretrained(load_transformers(tmp_path / "run" / "model"), output).eval()
+    ours = _with_adapter(output, quantize=False)
+    assert any(b.abs().max() > 0 for b in ours.layers[0].mlp.expert_lora.lora_B.values())
+    assert _max_error(ours, theirs, _ids(spec.vocab_size)) < 1e-4
+    code, _, err = run_cli("resume", output, "--set", "max_steps=3")
+    assert code == 0, err
+    resumed = load_file(output / "adapter_model.safetensors")
+    changed = [n for n in adapter if ".mlp.experts." in n and not torch.equal(adapter[n], resumed[n])]
+    assert changed
 
 
 @pytest.fixture(scope="module")
@@ -634,3 +698,28 @@ def test_the_planners_counts_are_the_models(family, tmp_path):
     spec = model.spec
     expertless = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=0))
     assert frozen_weight_bytes(spec) - frozen_weight_bytes(expertless) >= experts * NF4.bytes_per_weight
+
+
+EXPERT_WRITERS = {"qwen3_moe": _write_all_sparse, "qwen3_5_moe": write_qwen3_5_moe}
+
+
+@pytest.mark.parametrize("storage", ["per_expert", "fused"])
+@pytest.mark.parametrize("family", sorted(EXPERT_WRITERS))
+def test_a_merged_export_folds_the_routed_experts_lora_in(family, storage, tmp_path):
+    """--merged, both bases, of a run with LoRA on the routed experts, stored per expert or fused: each
+    expert's matrices take their share of its fused parameter's delta, and transformers' logits on the
+    merged model equal ours with the adapter (NF4 as it trained, or the original weights)."""
+    write = EXPERT_WRITERS[family]
+    writer = write if storage == "per_expert" else (lambda folder: _fuse_experts(write(folder)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        path = write_run(
+            tmp_path / "run", model_writer=writer, rows=8, sequence_len=96, learning_rate=3e-3, max_steps=2,
+            lora_target_linear=True, lora_target_parameters=EXPERT_TARGETS,
+        )  # fmt: skip
+        run = train(load_config(path)).output_dir
+    for base in ("original", "nf4"):
+        out = export(run, tmp_path / base, merged=True, base=base, dtype="float32").out
+        ours = _with_adapter(run, quantize=base == "nf4")
+        assert any(b.abs().max() > 0 for b in ours.layers[0].mlp.expert_lora.lora_B.values())
+        assert _max_error(ours, load_transformers(out), _ids(ours.spec.vocab_size)) < 1e-4, base

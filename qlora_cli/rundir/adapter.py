@@ -181,6 +181,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
             "lora_alpha": float(saved["lora_alpha"]),
             "peft_use_rslora": bool(saved.get("use_rslora", False)),
             "train_norms": bool(saved.get("modules_to_save")),
+            "lora_target_parameters": list(saved.get("target_parameters") or []),
         }
     except (KeyError, TypeError, ValueError) as err:
         raise QLoraError(f"lora_model_dir {source}: {ADAPTER_CONFIG} has no valid {err}") from None

@@ -50,6 +50,29 @@ def expert_deltas(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, scal
     return scaling * torch.bmm(b, a)
 
 
+def expert_matrix_delta(
+    name: str, adapter: dict[str, torch.Tensor], spec: ModelSpec, targets, scaling: float
+) -> torch.Tensor | None:
+    """What the adapter adds to one routed expert's matrix as the base's tensors stream
+    (`model.layers.L.mlp.experts.E.gate_proj.weight`: fused checkpoints stream per expert too), fp32;
+    None when that matrix takes no LoRA. `adapter` is keyed by the streamed names' prefix; gate_proj's
+    rows are the first I of gate_up_proj's delta, up_proj's the next I."""
+    layer, found, rest = name.partition(f".{EXPERTS_MODULE}.")
+    if not found:
+        return None
+    expert, projection, _ = rest.split(".")
+    fused = "down_proj" if projection == "down_proj" else "gate_up_proj"
+    if fused not in targets:
+        return None
+    module = f"{layer}.{EXPERTS_MODULE}.{wrapper_paths(targets)[fused]}"
+    a, b = per_expert(
+        adapter[f"{module}lora_A.weight"], adapter[f"{module}lora_B.weight"], spec.moe.num_experts
+    )
+    i = spec.moe.expert_intermediate_size
+    rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[projection]
+    return scaling * (b[int(expert), rows].float() @ a[int(expert)].float())
+
+
 class ExpertLoRA(nn.Module):
     """The routed experts' LoRA A and B (fp32 masters, named by the fused parameter they adapt), and
     their product on a MoE layer's rows sorted by expert."""
