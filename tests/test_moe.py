@@ -391,6 +391,10 @@ def test_trains_with_packing_and_recompute(family, tmp_path):
     assert any(".mlp.shared_expert." in name for name in adapter) == (family == "qwen3_5_moe")
 
 
+def _write_dense(folder):
+    return add_demo_tokenizer(write_qwen3(folder, vocab_size=1024))
+
+
 @pytest.mark.parametrize(
     ("keys", "line"),
     [
@@ -419,10 +423,6 @@ def test_trains_with_packing_and_recompute(family, tmp_path):
         ),
     ],
 )
-def _write_dense(folder):
-    return add_demo_tokenizer(write_qwen3(folder, vocab_size=1024))
-
-
 def test_asking_lora_for_the_routed_experts_wrongly_is_one_line(keys, line, tmp_path, run_cli):
     writer = _write_dense if keys.pop("model", None) else TRAIN_WRITERS["qwen3_moe"]
     path = write_run(tmp_path / "run", model_writer=writer, rows=4, **keys)
