@@ -68,8 +68,9 @@ LAYERS = {
 # The profiler's layers, bottom first: each may import only those before it.
 PROFILER_LAYERS = ("timing", "work", "lora", "recorder", "calibration", "report", "command")
 # The model's seams, bottom first: each module or subpackage may import, of the model, only those
-# before it. The mixers (one per layer kind) and the MLPs sit below the layer that runs them.
-MODEL_LAYERS = ("sizes", "modes", "sliced_mlp", "mixers", "mlps", "lora", "layers")
+# before it. The mixers (one per layer kind) and the MLPs sit below the layer that runs them; LoRA's
+# shape sits below the MLPs, since a MoE MLP holds its routed experts' LoRA itself.
+MODEL_LAYERS = ("sizes", "modes", "sliced_mlp", "mixers", "lora", "mlps", "layers")
 
 
 def module_files(packages: dict[str, Path]) -> dict[str, Path]:

@@ -6,15 +6,24 @@ in one line."""
 import dataclasses
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import add_demo_tokenizer, load_transformers, write_qwen3_5_moe, write_qwen3_moe, write_run
+from checkpoints import (
+    add_demo_tokenizer,
+    load_transformers,
+    write_qwen3,
+    write_qwen3_5_moe,
+    write_qwen3_moe,
+    write_run,
+)
 from safetensors.torch import load_file, save_file
 from test_export import stored_tensors
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.names import EXPERT_PARAMETERS
 from qlora_cli.export.command import export, find_checkpoint
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
@@ -136,10 +145,15 @@ def _moe_spec(top_k: int, hidden: int, dtype=torch.float32, renormalise: bool = 
     )  # fmt: skip
 
 
-def _moe_mlp(frozen, spec: ModelSpec, generator: torch.Generator):
-    """`spec`'s MoE MLP, its weights random, experts in `frozen`; and the dense matrices it was given, by
-    (expert, projection)."""
-    mlp = MoEMLP(spec)
+def _moe_mlp(frozen, spec: ModelSpec, generator: torch.Generator, lora: LoRAConfig | None = None):
+    """`spec`'s MoE MLP, its weights random, experts in `frozen`, LoRA on its routed experts as `lora`
+    says (B random); and the dense matrices it was given, by (expert, projection)."""
+    mlp = MoEMLP(spec, lora)
+    if mlp.expert_lora is not None:
+        mlp.reset_lora(generator)
+        for b in mlp.expert_lora.lora_B.values():
+            with torch.no_grad():
+                b.normal_(0, 0.1, generator=generator)
     hidden, dense = spec.hidden_size, {}
     mlp.load("gate.weight", torch.randn(4, hidden, generator=generator), DENSE, spec.dtype)
     for e in range(4):
@@ -149,16 +163,45 @@ def _moe_mlp(frozen, spec: ModelSpec, generator: torch.Generator):
     return mlp, dense
 
 
+def _merge_expert_lora(mlp: MoEMLP, dense: dict, scale: float) -> dict:
+    """The dense matrices with `scale` times the routed experts' LoRA deltas added, per expert, from
+    PEFT's layout read independently of ours: A's rows e·r to e·r + r, B's columns e, E + e, ..."""
+    lora = mlp.expert_lora
+    if lora is None:
+        return dense
+    merged, r, i = dict(dense), lora.lora_A[next(iter(lora.lora_A))].shape[0] // 4, mlp.intermediate_size
+    for e in range(4):
+        for name in lora.lora_A:
+            a = lora.lora_A[name][e * r : (e + 1) * r]
+            b = lora.lora_B[name][:, e::4]
+            delta = scale * lora.scaling * (b @ a)
+            if name == "down_proj":
+                merged[e, "down_proj"] = dense[e, "down_proj"] + delta
+            else:
+                merged[e, "gate_proj"] = dense[e, "gate_proj"] + delta[:i]
+                merged[e, "up_proj"] = dense[e, "up_proj"] + delta[i:]
+    return merged
+
+
+@pytest.mark.parametrize("switch", [None, 1.0, 0.0], ids=["no switch", "adapter on", "adapter off"])
+@pytest.mark.parametrize("targets", [(), EXPERT_PARAMETERS, ("down_proj",)], ids=["frozen", "both", "down"])
 @pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "references"])
-def test_the_moe_mlp_sums_each_token_k_times_and_once_each(interpret, monkeypatch):
+def test_the_moe_mlp_sums_each_token_k_times_and_once_each(interpret, targets, switch, monkeypatch):
     """The MoE MLP on a few tokens against each token's chosen experts summed one by one (no sort), for
-    k = 1, 2 and all experts: no token dropped or counted twice however the experts' loads fall."""
+    k = 1, 2 and all experts: no token dropped or counted twice however the experts' loads fall. With
+    LoRA on routed experts, each expert's matrices are W_e + scaling · B_e A_e (the adapter switch at
+    0: W_e), and the LoRA gradients are those of that sum."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    if switch is not None and not targets:
+        pytest.skip("the switch reaches only LoRA")
     generator = torch.Generator().manual_seed(3)
+    lora = LoRAConfig(r=4, alpha=8, expert_targets=targets)
+    project = SimpleNamespace(adapter_scale=None if switch is None else torch.tensor(switch))
     for top_k in (1, 2, 4):
-        mlp, dense = _moe_mlp(DENSE, _moe_spec(top_k, 16), generator)
+        mlp, dense = _moe_mlp(DENSE, _moe_spec(top_k, 16), generator, lora)
         h = torch.randn(1, 13, 16, generator=generator, requires_grad=True)
-        out = mlp(h, None, None)
+        out = mlp(h, project, None)
+        dense = _merge_expert_lora(mlp, dense, 1.0 if switch is None else switch)
         probs = torch.softmax(h[0] @ mlp.router.T, -1)
         expected = []
         for t in range(13):
@@ -170,37 +213,59 @@ def test_the_moe_mlp_sums_each_token_k_times_and_once_each(interpret, monkeypatc
             expected.append(row)
         expected = torch.stack(expected)[None]
         torch.testing.assert_close(out, expected)
-        grad = torch.autograd.grad(out.square().sum(), h)[0]
-        torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), h)[0])
+        leaves = [h, *mlp.parameters()]
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
+        # fp32 sums in another order (the LoRA products' rank-wide t among them): a few ulp of ~1.
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
+def _random_b(model: QLoRAModel, seed: int = 2) -> None:
+    """Every LoRA B drawn at random (they start at zero), the routed experts' too, so every A's
+    gradient and every delta is nonzero."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in model.layers:
+        bs = [b for group in layer.projections.values() for b in group.lora_B.values()]
+        if layer.mlp.expert_lora is not None:
+            bs += list(layer.mlp.expert_lora.lora_B.values())
+        for b in bs:
+            with torch.no_grad():
+                b.normal_(0, 0.05, generator=generator)
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["frozen experts", "expert lora"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-def test_lora_gradients_match_peft(family, tmp_path):
+def test_lora_gradients_match_peft(family, experts, tmp_path):
     """LoRA on every projection qlora targets (attention or Gated DeltaNet, dense MLPs, the shared
-    expert; not the routed experts): loss and every LoRA gradient equal transformers + PEFT's, fp32 CPU,
-    so the backward through the router's choices and the experts' scatter is right."""
+    expert; the routed experts' fused parameters where asked, as PEFT's target_parameters): loss and
+    every LoRA gradient equal transformers + PEFT's, fp32 CPU, so the backward through the router's
+    choices and the experts' scatter is right, and our expert adapter is laid out and named as PEFT's."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     # Every Qwen3 MoE layer sparse: PEFT turns the gate_proj/up_proj/down_proj targets into its fused
     # experts' parameters and then leaves a dense layer's (mlp_only_layers) projections unadapted.
     overrides = {"mlp_only_layers": []} if family == "qwen3_moe" else {}
     folder = WRITERS[family](tmp_path / "model", **overrides)
-    ours = QLoRAModel.from_pretrained(folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1).train()
-    generator = torch.Generator().manual_seed(2)
-    for layer in ours.layers:
-        for group in layer.projections.values():
-            for b in group.lora_B.values():
-                with torch.no_grad():
-                    b.normal_(0, 0.05, generator=generator)
+    lora = LoRAConfig(r=4, alpha=8, expert_targets=EXPERT_PARAMETERS if experts else ())
+    ours = QLoRAModel.from_pretrained(folder, quantize=False, lora=lora, seed=1).train()
+    _random_b(ours)
     targets = sorted({n for layer in ours.layers for g in layer.projections.values() for n in g.lora_A})
     assert ("gate_proj" in targets) == (family == "qwen3_5_moe")
-    theirs = get_peft_model(
-        load_transformers(folder), LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
-    )
-    result = set_peft_model_state_dict(theirs, adapter_state_dict(ours))
-    # PEFT takes gate_proj/up_proj/down_proj to adapt transformers' fused experts as well; left at its
-    # zero B they add nothing, as our experts take no LoRA.
-    missing = [k for k in result.missing_keys if "lora_" in k and ".mlp.experts." not in k]
+    peft_config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+        target_parameters=EXPERT_TARGETS if experts else None,
+    )  # fmt: skip
+    theirs = get_peft_model(load_transformers(folder), peft_config)
+    saved = adapter_state_dict(ours)
+    assert any(".mlp.experts." in name for name in saved) == experts
+    result = set_peft_model_state_dict(theirs, saved)
+    # Without target_parameters PEFT takes gate_proj/up_proj/down_proj to adapt transformers' fused
+    # experts as well; left at its zero B they add nothing, as our experts take no LoRA then.
+    missing = [k for k in result.missing_keys if "lora_" in k and (experts or ".mlp.experts." not in k)]
     assert not missing and not result.unexpected_keys
     ids = _ids(ours.spec.vocab_size, (2, 17), seed=5)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
@@ -219,25 +284,23 @@ def test_lora_gradients_match_peft(family, tmp_path):
 
 def test_recomputed_layers_give_the_kept_layers_gradients(tmp_path, monkeypatch):
     """Every layer recomputed in backward gives the gradients of none recomputed: the rerun produces the
-    shared expert's output, which its gate's gradient reads (a dense MLP's rerun skips down's GEMM). On
-    the Triton kernels in the interpreter: the torch references always produce it."""
+    shared expert's output, which its gate's gradient reads (a dense MLP's rerun skips down's GEMM), and
+    the routed experts' LoRA repeats its products. On the Triton kernels in the interpreter: the torch
+    references always produce it."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     folder = write_qwen3_5_moe(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
     grads = []
     for recomputed in (0, 2):
+        lora = LoRAConfig(r=4, alpha=8, expert_targets=EXPERT_PARAMETERS)
         model = QLoRAModel.from_pretrained(
-            folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1, checkpoint_layers=recomputed
+            folder, quantize=False, lora=lora, seed=1, checkpoint_layers=recomputed
         ).train()
-        generator = torch.Generator().manual_seed(2)
-        for layer in model.layers:
-            for group in layer.projections.values():
-                for b in group.lora_B.values():
-                    with torch.no_grad():
-                        b.normal_(0, 0.05, generator=generator)
+        _random_b(model)
         ids = _ids(model.spec.vocab_size, (2, 17), seed=5)
         loss_sum, count = model.loss(ids, torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1))
         (loss_sum / count).backward()
         grads.append({name: t.grad for name, t in trainable_tensors(model).items()})
+    assert any(".mlp.experts." in name for name in grads[0])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
@@ -328,26 +391,83 @@ def test_trains_with_packing_and_recompute(family, tmp_path):
     assert any(".mlp.shared_expert." in name for name in adapter) == (family == "qwen3_5_moe")
 
 
+def _write_dense(folder):
+    return add_demo_tokenizer(write_qwen3(folder, vocab_size=1024))
+
+
 @pytest.mark.parametrize(
     ("keys", "line"),
     [
         (
             {"lora_target_modules": ["q_proj", "experts"]},
-            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts, which take no "
-            "LoRA yet (its attention, Gated DeltaNet and shared-expert projections do)",
+            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts, which take "
+            "LoRA through lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
         ),
         (
-            {"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
-            "config key 'lora_target_parameters' is not supported: a MoE model's routed experts take no "
-            "LoRA yet: remove it",
+            {"lora_target_parameters": ["experts.gate_up_proj", "mlp.experts.gate_proj"]},
+            "config key 'lora_target_parameters': 'mlp.experts.gate_proj' is not a routed experts' parameter "
+            "(expected mlp.experts.gate_up_proj or mlp.experts.down_proj)",
+        ),
+        (
+            {"lora_target_parameters": ["model.layers.0.mlp.experts.down_proj"]},
+            "config key 'lora_target_parameters': 'model.layers.0.mlp.experts.down_proj' is not a routed "
+            "experts' parameter",
+        ),
+        (
+            {"lora_target_parameters": ["down_proj"], "lora_dropout": 0.1},
+            "PEFT's LoRA on routed experts takes no dropout; set lora_dropout: 0",
+        ),
+        (
+            {"lora_target_parameters": ["mlp.experts.down_proj"], "model": "dense"},
+            "config key 'lora_target_parameters': this qwen3 model has no routed experts",
         ),
     ],
 )
-def test_asking_lora_for_the_routed_experts_is_one_line(keys, line, tmp_path, run_cli):
-    path = write_run(tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_moe"], rows=4, **keys)
+def test_asking_lora_for_the_routed_experts_wrongly_is_one_line(keys, line, tmp_path, run_cli):
+    writer = _write_dense if keys.pop("model", None) else TRAIN_WRITERS["qwen3_moe"]
+    path = write_run(tmp_path / "run", model_writer=writer, rows=4, **keys)
     code, _, err = run_cli("train", path)
     lines = [text for text in err.splitlines() if text.strip()]
     assert code == 2 and len(lines) == 1 and line in lines[0], err
+
+
+def _write_all_sparse(folder):
+    """Qwen3 MoE with routed experts in every layer. (With a dense layer's gate_proj/up_proj among
+    target_modules, PEFT converts those names, as for a transformers 4 adapter, into LoRA on the fused
+    gate_up_proj at rank 2r, which then clashes with target_parameters' rank-r one.)"""
+    return add_demo_tokenizer(write_qwen3_moe(folder, vocab_size=1024, mlp_only_layers=[]))
+
+
+def test_routed_expert_lora_trains_saves_as_peft_and_resumes(tmp_path, run_cli):
+    """lora_target_parameters with lora_target_linear: the start says what the experts' LoRA adds, the
+    adapter holds it under PEFT's names with target_parameters in its config, PEFT loads the folder as
+    saved onto transformers' model and gives our logits, and `qlora resume` reloads it and trains on."""
+    from peft import PeftModel
+
+    path = write_run(
+        tmp_path / "run", model_writer=_write_all_sparse, rows=8, sequence_len=96, max_steps=2,
+        learning_rate=3e-3, lora_target_linear=True, lora_target_parameters=EXPERT_TARGETS,
+    )  # fmt: skip
+    code, out, err = run_cli("train", path)
+    assert code == 0, err
+    spec = read_spec(tmp_path / "run" / "model")
+    weights = 3 * LoRAConfig(r=4, expert_targets=EXPERT_PARAMETERS).expert_weights_per_layer(spec)
+    assert f"routed experts' LoRA (gate_up_proj, down_proj): {weights:,} weights" in out + err
+    output = tmp_path / "run" / "out"
+    adapter = load_file(output / "adapter_model.safetensors")
+    assert sum(t.numel() for n, t in adapter.items() if ".mlp.experts." in n) == weights
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in adapter
+    config = json.loads((output / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERT_TARGETS
+    theirs = PeftModel.from_pretrained(load_transformers(tmp_path / "run" / "model"), output).eval()
+    ours = _with_adapter(output, quantize=False)
+    assert any(b.abs().max() > 0 for b in ours.layers[0].mlp.expert_lora.lora_B.values())
+    assert _max_error(ours, theirs, _ids(spec.vocab_size)) < 1e-4
+    code, _, err = run_cli("resume", output, "--set", "max_steps=3")
+    assert code == 0, err
+    resumed = load_file(output / "adapter_model.safetensors")
+    changed = [n for n in adapter if ".mlp.experts." in n and not torch.equal(adapter[n], resumed[n])]
+    assert changed
 
 
 @pytest.fixture(scope="module")
@@ -517,21 +637,24 @@ class _HostReads:
 
 @pytest.mark.parametrize("frozen", [NF4, DENSE], ids=["nf4", "dense"])
 def test_the_moe_mlp_reads_no_routing_on_the_host(frozen, monkeypatch):
-    """The forward and backward of a MoE layer, on the Triton kernels (in the interpreter) and on the
-    references, never bring a device value to the host, so a CUDA graph captures it as it does a dense
+    """The forward and backward of a MoE layer, its routed experts' LoRA included, on the Triton kernels
+    (in the interpreter) and on the references, never bring a device value to the host, so a CUDA graph captures it as it does a dense
     layer: training's graphs and decoding's captured step take MoE models too."""
     generator = torch.Generator().manual_seed(4)
-    mlp, _ = _moe_mlp(frozen, _moe_spec(2, 64, renormalise=True), generator)
+    lora = LoRAConfig(r=4, expert_targets=EXPERT_PARAMETERS)
+    mlp, _ = _moe_mlp(frozen, _moe_spec(2, 64, renormalise=True), generator, lora)
     h = torch.randn(1, 9, 64, generator=generator, requires_grad=True)
+    project = SimpleNamespace(adapter_scale=torch.tensor(1.0))
     for interpret in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
         with _HostReads():
-            out = mlp(h, None, None)
-            torch.autograd.grad(out.square().sum(), h)
+            out = mlp(h, project, None)
+            torch.autograd.grad(out.square().sum(), [h, *mlp.parameters()])
 
 
+@pytest.mark.parametrize("targets", [(), EXPERT_PARAMETERS], ids=["frozen", "expert lora"])
 @pytest.mark.parametrize("renormalise", [True, False])
-def test_the_planner_counts_what_a_moe_mlp_keeps_for_backward(renormalise, monkeypatch):
+def test_the_planner_counts_what_a_moe_mlp_keeps_for_backward(renormalise, targets, monkeypatch):
     """The bytes autograd keeps per token through a MoE MLP (bf16, on the Triton kernels in the
     interpreter), measured as the difference between two token counts so the frozen weights cancel, are
     MoEMLP.kept_activations' bf16 values, exactly: a routed copy or a router tensor the planner misses
@@ -539,7 +662,9 @@ def test_the_planner_counts_what_a_moe_mlp_keeps_for_backward(renormalise, monke
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     generator = torch.Generator().manual_seed(6)
     spec = _moe_spec(2, 64, torch.bfloat16, renormalise)
-    mlp, _ = _moe_mlp(NF4, spec, generator)
+    lora = LoRAConfig(r=4, expert_targets=targets)
+    mlp, _ = _moe_mlp(NF4, spec, generator, lora)
+    project = SimpleNamespace(adapter_scale=None)
 
     def kept_bytes(tokens: int) -> int:
         storages = {}
@@ -550,10 +675,11 @@ def test_the_planner_counts_what_a_moe_mlp_keeps_for_backward(renormalise, monke
 
         h = torch.randn(1, tokens, 64, generator=generator).bfloat16().requires_grad_()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            mlp(h, None, None)
+            mlp(h, project, None)
         return sum(storages.values())
 
-    assert (kept_bytes(48) - kept_bytes(16)) / 32 == 2 * MoEMLP.kept_activations(spec)
+    expected = MoEMLP.kept_activations(spec) + MoEMLP.lora_kept_activations(spec, lora)
+    assert (kept_bytes(48) - kept_bytes(16)) / 32 == 2 * expected
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
@@ -563,11 +689,37 @@ def test_the_planners_counts_are_the_models(family, tmp_path):
     from qlora_cli.model.planner import frozen_weight_bytes
 
     folder = WRITERS[family](tmp_path / "model")
-    lora = LoRAConfig(r=4, train_norms=True)
+    lora = LoRAConfig(r=4, train_norms=True, expert_targets=EXPERT_PARAMETERS)
     model = QLoRAModel.from_pretrained(folder, quantize=True, lora=lora)
+    assert any(layer.mlp.expert_lora is not None for layer in model.layers)
     assert lora.trained_weights(model.spec) == sum(p.numel() for p in model.trainable_parameters())
     experts = sum(w.shape.numel() for layer in model.layers if isinstance(layer.mlp, MoEMLP)
                   for w in layer.mlp.experts.values())  # fmt: skip
     spec = model.spec
     expertless = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=0))
     assert frozen_weight_bytes(spec) - frozen_weight_bytes(expertless) >= experts * NF4.bytes_per_weight
+
+
+EXPERT_WRITERS = {"qwen3_moe": _write_all_sparse, "qwen3_5_moe": write_qwen3_5_moe}
+
+
+@pytest.mark.parametrize("storage", ["per_expert", "fused"])
+@pytest.mark.parametrize("family", sorted(EXPERT_WRITERS))
+def test_a_merged_export_folds_the_routed_experts_lora_in(family, storage, tmp_path):
+    """--merged, both bases, of a run with LoRA on the routed experts, stored per expert or fused: each
+    expert's matrices take their share of its fused parameter's delta, and transformers' logits on the
+    merged model equal ours with the adapter (NF4 as it trained, or the original weights)."""
+    write = EXPERT_WRITERS[family]
+    writer = write if storage == "per_expert" else (lambda folder: _fuse_experts(write(folder)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        path = write_run(
+            tmp_path / "run", model_writer=writer, rows=8, sequence_len=96, learning_rate=3e-3, max_steps=2,
+            lora_target_linear=True, lora_target_parameters=EXPERT_TARGETS,
+        )  # fmt: skip
+        run = train(load_config(path)).output_dir
+    for base in ("original", "nf4"):
+        out = export(run, tmp_path / base, merged=True, base=base, dtype="float32").out
+        ours = _with_adapter(run, quantize=base == "nf4")
+        assert any(b.abs().max() > 0 for b in ours.layers[0].mlp.expert_lora.lora_B.values())
+        assert _max_error(ours, load_transformers(out), _ids(ours.spec.vocab_size)) < 1e-4, base

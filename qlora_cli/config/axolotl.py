@@ -114,7 +114,6 @@ REFUSED_KEYS = {
     "lora_fan_in_fan_out": "Qwen's projections are plain linear layers: remove it",
     "peft_layers_to_transform": "LoRA goes on every layer: remove it",
     "lora_layers_to_transform": "LoRA goes on every layer: remove it",
-    "lora_target_parameters": "a MoE model's routed experts take no LoRA yet: remove it",
     "tokens": _NO_NEW_TOKENS,
     "added_tokens_overrides": _NO_NEW_TOKENS,
     "tokenizer_config": "the tokenizer is read from base_model's folder: remove it",

@@ -12,13 +12,14 @@ import types
 import typing
 from typing import Any, Literal
 
-from qlora_cli.config.schema import InstructionFormat, TrainConfig
+from qlora_cli.config.schema import InstructionFormat, TrainConfig, expert_parameter
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import (
     ALL_PROJECTIONS,
     CHAT_TEMPLATE_NAMES,
     COMMON_TYPES,
     DATASET_TYPES,
+    EXPERT_PARAMETERS,
     FALLBACK_TEMPLATE,
     ROUTED_EXPERT_TARGETS,
     SHIPPED_TEMPLATES,
@@ -281,7 +282,7 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
         yield (
             ("lora_target_modules",),
             f"config key 'lora_target_modules': '{experts[0]}' names a MoE model's routed experts, which "
-            "take no LoRA yet (its attention, Gated DeltaNet and shared-expert projections do)",
+            "take LoRA through lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
         )
     elif unknown:
         yield (
@@ -291,6 +292,20 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
         )
     if not config.target_modules:
         yield ("lora_target_modules",), "config key 'lora_target_modules': expected at least one module"
+    for value in config.lora_target_parameters:
+        if expert_parameter(value) is None:
+            yield (
+                ("lora_target_parameters",),
+                f"config key 'lora_target_parameters': '{value}' is not a routed experts' parameter "
+                f"(expected {' or '.join(f'mlp.experts.{name}' for name in EXPERT_PARAMETERS)})",
+            )
+            break
+    if config.lora_target_parameters and config.lora_dropout:
+        yield (
+            ("lora_target_parameters", "lora_dropout"),
+            "config keys 'lora_target_parameters' and 'lora_dropout': PEFT's LoRA on routed experts takes "
+            "no dropout; set lora_dropout: 0",
+        )
     if config.adapter == "qlora" and not config.load_in_4bit:
         yield (
             ("adapter", "load_in_4bit"),

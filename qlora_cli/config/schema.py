@@ -9,12 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.core.names import ALL_PROJECTIONS, EXPERT_PARAMETERS
 
 
 def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
     """Field metadata: the allowed numeric interval, shown in errors."""
     return {"range": (lo, hi, lo_open, hi_open)}
+
+
+def expert_parameter(value: str) -> str | None:
+    """The fused expert parameter (EXPERT_PARAMETERS) a target_parameters value names, or None. PEFT
+    matches a value as a suffix of the parameter's full name; qlora adapts every MoE layer, so a value
+    may lead with `experts.` or `mlp.experts.`, but not with a path that picks layers."""
+    *path, name = value.split(".")
+    if name not in EXPERT_PARAMETERS or len(path) > 2 or path != ["mlp", "experts"][2 - len(path) :]:
+        return None
+    return name
 
 
 @dataclass
@@ -100,6 +110,8 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata=_range(0, 1, hi_open=True))
     lora_target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
     lora_target_linear: bool = False
+    # A MoE model's routed experts' fused parameters LoRA adapts, as PEFT's target_parameters names them.
+    lora_target_parameters: list[str] = field(default_factory=list)
     peft_use_rslora: bool = False
     train_norms: bool = False
     sequence_len: int = field(default=2048, metadata=_range(8, 1 << 20))
@@ -168,8 +180,15 @@ class TrainConfig:
 
     @property
     def target_modules(self) -> list[str]:
-        # Every projection, where a model has it; a MoE layer's routed experts take no LoRA in this step.
+        # Every projection, where a model has it; a MoE layer's routed experts only by lora_target_parameters.
         return list(ALL_PROJECTIONS) if self.lora_target_linear else list(self.lora_target_modules)
+
+    @property
+    def expert_targets(self) -> tuple[str, ...]:
+        """The routed experts' fused parameters lora_target_parameters names, in EXPERT_PARAMETERS' order
+        (values naming none are the config checks' to refuse)."""
+        named = {expert_parameter(value) for value in self.lora_target_parameters}
+        return tuple(name for name in EXPERT_PARAMETERS if name in named)
 
     @property
     def quantize(self) -> bool:

@@ -10,8 +10,12 @@ sources map each name to what it renders.
 STANDARD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ALL_PROJECTIONS = STANDARD_PROJECTIONS + LINEAR_ATTENTION_PROJECTIONS
-# What a user names a MoE layer's routed experts by (the module, and transformers' fused gate/up
-# parameter): they take no LoRA yet, so a target naming them is refused rather than left untrained.
+# A MoE layer's routed experts as transformers 5 holds them, fused below `mlp.experts.`: the parameters
+# LoRA on routed experts targets (PEFT's and Axolotl's `target_parameters`), in the order the module
+# registers them, which is the order PEFT nests its wrappers in (qlora_cli/model/mlps/expert_lora.py).
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+# What a user may name the routed experts by in lora_target_modules (the module, and the fused gate/up
+# parameter): refused there rather than left untrained, since they are lora_target_parameters' to name.
 ROUTED_EXPERT_TARGETS = ("experts", "gate_up_proj")
 
 # Axolotl's ShareGPT types (deprecated there for chat_template) are chat_template, which reads

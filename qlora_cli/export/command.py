@@ -198,7 +198,7 @@ def export(
         check_tokenizer(base_folder)
 
     round_trip = training_dtype(state) if base == "nf4" else None
-    merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip)
+    merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip, skeleton.lora.expert_targets)
     temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     shards, gguf_file = 0, None
     try:

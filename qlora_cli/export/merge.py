@@ -11,6 +11,7 @@ import torch
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.model.mlps.expert_lora import expert_matrix_delta
 from qlora_cli.rundir.adapter import PREFIX
 from qlora_cli.rundir.names import STATE_FILE
 from qlora_cli.rundir.trainer_state import TrainerState
@@ -45,6 +46,7 @@ def merge_tensor(
     adapter: dict[str, torch.Tensor],
     scaling: float,
     round_trip: torch.dtype | None,
+    experts: ExpertMerge | None = None,
 ) -> torch.Tensor:
     """One base tensor as the trained model sees it.
 
@@ -52,16 +54,29 @@ def merge_tensor(
     round trip in that dtype; a projection with an adapter then becomes W + scaling · B @ A computed in
     fp32 (a gated q_proj's B holds the gate rows, interleaved per head as the weight's are, so the
     product lines up row for row); a trained norm becomes its trained value; anything else passes as it
-    is. `adapter` is keyed by the names the tensors stream under (`by_tensor_name`).
+    is. A routed expert's matrix adds its share of its fused parameter's LoRA where `experts` targets it.
+    `adapter` is keyed by the names the tensors stream under (`by_tensor_name`).
     """
     module = name.removesuffix(".weight")
     if round_trip is not None and module != name and module.rsplit(".", 1)[-1] in ALL_PROJECTIONS:
         tensor = nf4_round_trip(tensor, round_trip)
+    if experts is not None:
+        delta = expert_matrix_delta(name, adapter, experts.spec, experts.targets, scaling)
+        if delta is not None:
+            return tensor.float() + delta
     lora_a = adapter.get(f"{module}.lora_A.weight")
     if lora_a is None:
         return adapter.get(name, tensor)
     lora_b = adapter[f"{module}.lora_B.weight"]
     return torch.addmm(tensor.float(), lora_b.float(), lora_a.float(), alpha=scaling)
+
+
+@dataclass(frozen=True)
+class ExpertMerge:
+    """The routed experts' LoRA a merge folds in: the fused parameters it targets, and the model's shape."""
+
+    spec: ModelSpec
+    targets: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,11 @@ class Merge:
     adapter: dict[str, torch.Tensor]
     scaling: float
     round_trip: torch.dtype | None
+    expert_targets: tuple[str, ...] = ()
+
+    def merge(self, name: str, tensor: torch.Tensor, named: dict[str, torch.Tensor]) -> torch.Tensor:
+        experts = ExpertMerge(self.spec, self.expert_targets) if self.expert_targets else None
+        return merge_tensor(name, tensor, named, self.scaling, self.round_trip, experts)
 
 
 def by_tensor_name(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,7 +108,7 @@ def merged_tensors(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
     names), as transformers and llama.cpp expect."""
     named = by_tensor_name(merge.adapter)
     for name, tensor in stream_tensors(merge.base_folder, merge.spec):
-        yield name, merge_tensor(name, tensor, named, merge.scaling, merge.round_trip)
+        yield name, merge.merge(name, tensor, named)
 
 
 def merged_checkpoint(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,5 +119,5 @@ def merged_checkpoint(merge: Merge) -> Iterator[tuple[str, torch.Tensor]]:
     return rewrite_checkpoint(
         merge.base_folder,
         merge.spec,
-        lambda name, tensor: merge_tensor(name, tensor, named, merge.scaling, merge.round_trip),
+        lambda name, tensor: merge.merge(name, tensor, named),
     )

@@ -104,6 +104,9 @@ class DecodeProjections:
     each group a DecodeProjection, SwiGLU as torch's silu(gate) * up. LoRA dropout is off at
     inference, so the token offset places no mask."""
 
+    # Generation runs with the adapter on: the routed experts' LoRA, which runs live, takes all of it.
+    adapter_scale = None
+
     def __init__(self, layer: DecoderLayer, dtype: torch.dtype):
         self.groups = {name: DecodeProjection(group, dtype) for name, group in layer.projections.items()}
 

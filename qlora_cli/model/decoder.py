@@ -109,6 +109,7 @@ class QLoRAModel(nn.Module):
         for layer in model.layers:
             for group in layer.projections.values():
                 group.reset_lora(generator)
+            layer.mlp.reset_lora(generator)
         return model
 
     @classmethod

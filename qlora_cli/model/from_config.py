@@ -77,4 +77,5 @@ def lora_config(config: TrainConfig) -> LoRAConfig:
         target_modules=tuple(config.target_modules),
         use_rslora=config.peft_use_rslora,
         train_norms=config.train_norms,
+        expert_targets=config.expert_targets,
     )

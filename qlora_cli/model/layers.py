@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
         # Registered before the projections: parameters() lists the mixer's norms right after the
         # layer's own, the order the optimizer's saved state has.
         self.mixer = MIXERS[self.kind](spec, trainable, attention_backend)
-        self.mlp = MLPS[self.mlp_kind](spec)
+        self.mlp = MLPS[self.mlp_kind](spec, lora)
         shapes = spec.projection_shapes(self.kind, self.mlp_kind)
         groups = {
             g: names

@@ -15,7 +15,7 @@ from torch import nn
 
 from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.model.mixers import MIXERS
-from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, ModelSpec
+from qlora_cli.sources.spec import DENSE_MLP, FULL_ATTENTION, MOE_MLP, ModelSpec
 from qlora_kernels.dropout import seeded_dropout
 from qlora_kernels.formats import FrozenWeight
 from qlora_kernels.fp8 import FP8Scales
@@ -30,6 +30,8 @@ class LoRAConfig:
     target_modules: tuple[str, ...] = ALL_PROJECTIONS
     use_rslora: bool = False
     train_norms: bool = False
+    # The routed experts' fused parameters that take LoRA (EXPERT_PARAMETERS); none by default.
+    expert_targets: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -39,9 +41,23 @@ class LoRAConfig:
         self, spec: ModelSpec, kind: str = FULL_ATTENTION, mlp: str = DENSE_MLP
     ) -> int:
         """LoRA A [r, in] and B [out, r] of each targeted projection of one layer of `kind` with an MLP
-        of kind `mlp` (a MoE layer's routed experts take none)."""
+        of kind `mlp`, and a MoE layer's routed experts' (an A and a B per expert and targeted fused
+        parameter)."""
         shapes = spec.projection_shapes(kind, mlp)
-        return sum(self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.target_modules)
+        total = sum(
+            self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.target_modules
+        )
+        return total + (self.expert_weights_per_layer(spec) if mlp == MOE_MLP else 0)
+
+    def expert_weights_per_layer(self, spec: ModelSpec) -> int:
+        """The routed experts' LoRA in one MoE layer."""
+        if not self.expert_targets:
+            return 0
+        shapes = spec.moe.fused_expert_shapes(spec.hidden_size)
+        per_expert = sum(
+            self.r * (out + inp) for name, (out, inp) in shapes.items() if name in self.expert_targets
+        )
+        return spec.moe.num_experts * per_expert
 
     def trained_weights(self, spec: ModelSpec) -> int:
         """Every weight the adapter trains: what the optimizer holds state for and a checkpoint saves.
@@ -53,6 +69,18 @@ class LoRAConfig:
             if self.train_norms:
                 total += 2 * spec.hidden_size + MIXERS[kind].trained_norm_weights(spec)
         return total
+
+
+def init_lora(lora_a: nn.ParameterDict, lora_b: nn.ParameterDict, generator: torch.Generator | None) -> None:
+    """A as PEFT initialises it (kaiming-uniform with a=sqrt(5) over A's [rows, in]), B zeros: the adapter
+    starts as a no-op."""
+    for a in lora_a.values():
+        bound = 1.0 / math.sqrt(a.shape[1])
+        with torch.no_grad():
+            a.uniform_(-bound, bound, generator=generator)
+    for b in lora_b.values():
+        with torch.no_grad():
+            b.zero_()
 
 
 class ProjectionGroup(nn.Module):
@@ -91,14 +119,7 @@ class ProjectionGroup(nn.Module):
         self.fp8: FP8Scales | None = None
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
-        """A as PEFT initialises it (kaiming-uniform with a=sqrt(5)), B zeros: the adapter starts as a no-op."""
-        for a in self.lora_A.values():
-            bound = 1.0 / math.sqrt(a.shape[1])
-            with torch.no_grad():
-                a.uniform_(-bound, bound, generator=generator)
-        for b in self.lora_B.values():
-            with torch.no_grad():
-                b.zero_()
+        init_lora(self.lora_A, self.lora_B, generator)
 
     def lora_a_list(self, adapter_scale: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """The A's in projection order, times `adapter_scale` when given: the model's adapter switch

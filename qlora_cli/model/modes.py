@@ -19,7 +19,10 @@ class Projections(Protocol):
     """How one mode runs a layer's projection groups, in the layer's order. gate_up's result goes to
     swiglu and swiglu's to down as they are, so a mode may hand partial results along (the training
     kernels finish gate/up's LoRA inside SwiGLU). `token_offset` is the first token's index in the
-    row, for LoRA dropout's masks when the MLP runs in slices."""
+    row, for LoRA dropout's masks when the MLP runs in slices. `adapter_scale` (a 0-d tensor, or None
+    for 1) multiplies LoRA's contribution where an MLP runs LoRA of its own (the routed experts')."""
+
+    adapter_scale: torch.Tensor | None
 
     def run(self, op: Op, group: str, x: torch.Tensor) -> torch.Tensor:
         """A mixer's projection group `group` on x, timed as `op`."""

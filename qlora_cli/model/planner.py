@@ -92,6 +92,7 @@ def kept_layer_bytes(
     """A kept layer's activations, and the bf16 copies of its LoRA A and B that its ops hold for
     backward (kernels.linear, kernels.swiglu)."""
     activations = kept_activation_bytes(spec, shape.tokens, shape.lora.dropout, kind, mlp)
+    activations += shape.tokens * MLPS[mlp].lora_kept_activations(spec, shape.lora) * BF16
     return activations + shape.lora.lora_weights_per_layer(spec, kind, mlp) * BF16
 
 

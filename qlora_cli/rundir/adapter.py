@@ -21,6 +21,7 @@ from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
 from qlora_cli.model.mixers import MIXERS
+from qlora_cli.model.mlps.expert_lora import EXPERTS_MODULE, target_parameters, wrapper_paths
 from qlora_cli.rundir.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from qlora_cli.sources.spec import DECODER_PREFIX
 
@@ -38,6 +39,12 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
                 module = f"{base}{layer.module_of[proj]}.{proj}"
                 named[f"{module}.lora_A.weight"] = a
                 named[f"{module}.lora_B.weight"] = group.lora_B[proj]
+        expert_lora = layer.mlp.expert_lora
+        if expert_lora is not None:
+            for name, path in wrapper_paths(expert_lora.lora_A).items():
+                module = f"{base}{EXPERTS_MODULE}.{path}"
+                named[f"{module}lora_A.weight"] = expert_lora.lora_A[name]
+                named[f"{module}lora_B.weight"] = expert_lora.lora_B[name]
         if model.lora is not None and model.lora.train_norms:
             named[f"{base}input_layernorm.weight"] = layer.input_layernorm
             named[f"{base}post_attention_layernorm.weight"] = layer.post_attention_layernorm
@@ -76,6 +83,7 @@ def adapted_projections(model) -> set[str]:
 
 def adapter_config(model, config: TrainConfig) -> dict:
     lora = model.lora
+    experts = {"target_parameters": target_parameters(lora.expert_targets)} if lora.expert_targets else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -91,6 +99,7 @@ def adapter_config(model, config: TrainConfig) -> dict:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
+        **experts,
     }
 
 
@@ -172,6 +181,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
             "lora_alpha": float(saved["lora_alpha"]),
             "peft_use_rslora": bool(saved.get("use_rslora", False)),
             "train_norms": bool(saved.get("modules_to_save")),
+            "lora_target_parameters": list(saved.get("target_parameters") or []),
         }
     except (KeyError, TypeError, ValueError) as err:
         raise QLoraError(f"lora_model_dir {source}: {ADAPTER_CONFIG} has no valid {err}") from None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qlora_cli.core.names import EXPERT_PARAMETERS
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
 
 FULL_ATTENTION = "full_attention"
@@ -68,6 +69,12 @@ class MoESpec:
         """One expert's projections below `mlp.experts.E.`, with their [out, in] shapes."""
         i = self.expert_intermediate_size
         return {"gate_proj": (i, hidden), "up_proj": (i, hidden), "down_proj": (hidden, i)}
+
+    def fused_expert_shapes(self, hidden: int) -> dict[str, tuple[int, int]]:
+        """One expert's share of transformers 5's fused parameters below `mlp.experts.`, [out, in]:
+        gate_up_proj holds its gate rows, then its up rows."""
+        i = self.expert_intermediate_size
+        return dict(zip(EXPERT_PARAMETERS, ((2 * i, hidden), (hidden, i)), strict=True))
 
 
 @dataclass(frozen=True)

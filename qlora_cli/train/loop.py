@@ -36,6 +36,7 @@ from qlora_cli.rundir.checkpoint import load_checkpoint, read_checkpoint_config,
 from qlora_cli.rundir.folder import latest_checkpoint, owned_output_dir, usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_FILES, LOG_FILE, METRICS_FILE, checkpoint_name
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
+from qlora_cli.sources.spec import MOE_MLP
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, logged_records, memory_gib
 from qlora_cli.train.run import Run, build_run
@@ -54,6 +55,7 @@ BREAKING_KEYS = (
     "lora_alpha",
     "lora_target_modules",
     "lora_target_linear",
+    "lora_target_parameters",
     "peft_use_rslora",
     "train_norms",
 )
@@ -476,6 +478,12 @@ def _announce(run: Run, trackers: Trackers, out: RunOutput) -> None:
         f"{count(run.train_plan.num_batches, 'micro-batch', 'micro-batches')} per epoch · "
         f"{count(run.total_steps, 'step')} on {run.device}"
     )
+    if experts := run.model.lora.expert_weights_per_layer(run.model.spec):
+        weights = experts * run.model.spec.mlp_types.count(MOE_MLP)
+        out.print(
+            f"routed experts' LoRA ({', '.join(run.model.lora.expert_targets)}): "
+            f"{count(weights, 'weight')}, {weights * 4 / 1e6:.1f} MB of the fp32 adapter"
+        )
     if run.dist.active:
         out.print(
             f"data parallel over {count(run.dist.world_size, 'process', 'processes')} ({run.dist.device.type})"

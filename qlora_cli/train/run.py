@@ -28,7 +28,7 @@ from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.run_tokenizer import run_tokenizer
-from qlora_cli.sources.spec import ModelSpec
+from qlora_cli.sources.spec import MOE_MLP, ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import locate_tensors
 from qlora_cli.train.distributed import Distributed
@@ -176,6 +176,11 @@ def _check_targets(config: TrainConfig, spec: ModelSpec) -> None:
         raise QLoraError(
             f"config key 'lora_target_modules': {', '.join(config.target_modules)} names no projection of "
             f"this {spec.model_type} model; its layers have {', '.join(projections)}"
+        )
+    if config.lora_target_parameters and MOE_MLP not in spec.mlp_types:
+        raise QLoraError(
+            f"config key 'lora_target_parameters': this {spec.model_type} model has no routed experts "
+            "(a mixture-of-experts model's); remove it"
         )
 
 

@@ -1,6 +1,6 @@
 """The MLPs of a decoder layer, a module each (the dense SwiGLU MLP, the mixture of experts), and MLPS,
 the registry keyed by ModelSpec.mlp_types.
-Imports qlora_kernels, qlora_cli.core, sources, and model's modes and sliced_mlp."""
+Imports qlora_kernels, qlora_cli.core, sources, and model's modes, sliced_mlp and lora."""
 
 from qlora_cli.model.mlps.dense import DenseMLP
 from qlora_cli.model.mlps.moe import MoEMLP

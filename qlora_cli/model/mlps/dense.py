@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qlora_cli.model.lora import LoRAConfig
 from qlora_cli.model.modes import Projections
 from qlora_cli.model.sliced_mlp import SlicedMLP, slice_tokens, slice_working_bytes
 from qlora_cli.sources.spec import ModelSpec
@@ -19,8 +20,11 @@ class DenseMLP(nn.Module):
     checkpoint_module = "mlp"
     # down's output is the layer's: a recompute, which only keeps what backward saves, skips its GEMM.
     down_output_unread_in_recompute = True
+    # No routed experts, so none of their LoRA (MoEMLP's).
+    expert_lora = None
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, lora: LoRAConfig | None = None):
+        """`lora` is the registry's common argument: this MLP's LoRA is its projection groups'."""
         super().__init__()
         self.intermediate_size = spec.intermediate_size
         self.scratch: torch.Tensor | None = None
@@ -29,6 +33,14 @@ class DenseMLP(nn.Module):
     def kept_activations(spec: ModelSpec) -> int:
         """Values a token keeps for the MLP's backward (bf16 units): gate/up's output."""
         return 2 * spec.intermediate_size
+
+    @staticmethod
+    def lora_kept_activations(spec: ModelSpec, lora: LoRAConfig) -> int:
+        """None beyond kept_activations: its projections' LoRA is counted with the projections'."""
+        return 0
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """Nothing: its LoRA is the layer's projection groups', which reset their own."""
 
     @staticmethod
     def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:

@@ -7,7 +7,9 @@ mode's projections as the dense MLP does, scaled by sigmoid(shared_expert_gate Â
 
 The router and the shared expert's gate stay in the compute dtype, unquantized and untrained. Each
 routed expert's three matrices are stored in the frozen format one by one (NF4 when quantizing) and
-stacked per projection as they load; they take no LoRA yet.
+stacked per projection as they load. Where the LoRA config targets the experts' fused parameters
+(LoRAConfig.expert_targets), their LoRA (expert_lora.py, in PEFT's layout) adds to gate/up's output and
+to down's on the same sorted rows; otherwise the routed experts are frozen.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qlora_cli.model.lora import LoRAConfig
+from qlora_cli.model.mlps.expert_lora import ExpertLoRA
 from qlora_cli.model.modes import Projections
 from qlora_cli.sources.spec import ModelSpec
 from qlora_kernels.formats import FrozenFormat
@@ -47,9 +51,11 @@ class MoEMLP(nn.Module):
     # experts'), so a recompute must produce it.
     down_output_unread_in_recompute = False
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, lora: LoRAConfig | None = None):
         super().__init__()
         moe = spec.moe
+        self.intermediate_size = moe.expert_intermediate_size
+        self.expert_lora = ExpertLoRA(spec, lora) if lora and lora.expert_targets else None
         self.num_experts, self.top_k, self.renormalise = moe.num_experts, moe.top_k, moe.norm_topk_prob
         self.shared_expert = moe.shared_expert_intermediate_size > 0
         self.router: torch.Tensor | None = None
@@ -84,6 +90,15 @@ class MoEMLP(nn.Module):
         return 2 * moe.shared_expert_intermediate_size + routed + router + 3 * 4 * moe.top_k
 
     @staticmethod
+    def lora_kept_activations(spec: ModelSpec, lora: LoRAConfig) -> int:
+        """What the routed experts' LoRA adds per token (bf16 units): per routed copy, each adapted
+        parameter's input rows (gate/up's sorted hidden states, down's SwiGLU output, which the
+        frozen GEMMs keep none of) and its rank-wide t."""
+        moe = spec.moe
+        inputs = {"gate_up_proj": spec.hidden_size, "down_proj": moe.expert_intermediate_size}
+        return moe.top_k * sum(inputs[name] + lora.r for name in lora.expert_targets)
+
+    @staticmethod
     def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
         """What its backward holds at once: the rerun's routed activations, and their gradients (the
         expert outputs' and the sorted rows', gate's, up's and SwiGLU's), for every copy; the shared
@@ -98,6 +113,10 @@ class MoEMLP(nn.Module):
         """None of the layers' shared weight buffer: the grouped GEMMs decode NF4 tiles in registers."""
         return 0
 
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        if self.expert_lora is not None:
+            self.expert_lora.reset_lora(generator)
+
     def forward(self, h, project: Projections, layer):
         """h [batch, seq, hidden] -> the MLP's output; `layer` is the DecoderLayer it runs in."""
         x = h.reshape(-1, h.shape[-1])
@@ -110,7 +129,21 @@ class MoEMLP(nn.Module):
         rows = x[order // self.top_k]
         gate = grouped_linear(rows, self.experts["gate_proj"], expert_offsets)
         up = grouped_linear(rows, self.experts["up_proj"], expert_offsets)
-        routed = grouped_linear(F.silu(gate) * up, self.experts["down_proj"], expert_offsets)
+        lora = self.expert_lora
+        switch = project.adapter_scale if lora is not None else None
+        if (
+            lora is not None
+            and (gate_up := lora.delta("gate_up_proj", rows, expert_offsets, switch)) is not None
+        ):
+            gate_delta, up_delta = gate_up.split(self.intermediate_size, dim=-1)
+            gate, up = gate + gate_delta, up + up_delta
+        activation = F.silu(gate) * up
+        routed = grouped_linear(activation, self.experts["down_proj"], expert_offsets)
+        if (
+            lora is not None
+            and (down := lora.delta("down_proj", activation, expert_offsets, switch)) is not None
+        ):
+            routed = routed + down
         # Back in (token, choice) order, each token's k outputs weighted and summed.
         routed = routed[torch.argsort(order)].view(*experts.shape, -1)
         out = (routed * weights[..., None]).sum(dim=1)
