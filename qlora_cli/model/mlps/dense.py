@@ -19,6 +19,8 @@ class DenseMLP(nn.Module):
     checkpoint_module = "mlp"
     # down's output is the layer's: a recompute, which only keeps what backward saves, skips its GEMM.
     down_output_unread_in_recompute = True
+    # No router: the load-balancing loss leaves its layer out.
+    routes_tokens = False
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
