@@ -1,5 +1,6 @@
 """CUDA graphs: when a run can replay them, and that a replay trains exactly as eager calls do."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -110,19 +111,24 @@ def test_replayed_micro_batches_accumulate_what_eager_ones_do(deterministic_algo
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
+# A Qwen3.5 MoE that trains with the load-balancing loss (config.json's output_router_logits).
+BALANCED_MOE = functools.partial(write_qwen3_5_moe, output_router_logits=True, router_aux_loss_coef=0.5)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
     ("lora_dropout", "model_writer"),
-    [(0.0, None), (0.1, None), (0.0, write_qwen3_5_moe)],
-    ids=["qwen3", "qwen3-dropout", "qwen3_5_moe"],
+    [(0.0, None), (0.1, None), (0.0, write_qwen3_5_moe), (0.0, BALANCED_MOE)],
+    ids=["qwen3", "qwen3-dropout", "qwen3_5_moe", "qwen3_5_moe-aux_loss"],
 )
 def test_train_with_graphs_follows_the_eager_run(
     tmp_path, lora_dropout, model_writer, deterministic_algorithms
 ):
     """Packed rows with an epoch's short last micro-batch (padded for the graph), accumulation and
     recompute, with and without LoRA dropout, and on a mixture of experts (its routing read on the
-    device alone): cuda_graphs auto on the GPU gives the losses and gradient norms of cuda_graphs false
+    device alone), with its load-balancing loss too: cuda_graphs auto on the GPU gives the losses,
+    aux losses (the rows the graph pads with counted in none) and gradient norms of cuda_graphs false
     (dropout masks come from the step's seeds either way).
 
     Deterministic algorithms: SwiGLU's backward otherwise adds LoRA's t gradient with fp32 atomics,
@@ -157,6 +163,10 @@ def test_train_with_graphs_follows_the_eager_run(
     for eager_loss, graph_loss, eager_norm, graph_norm in curves:
         assert graph_loss == pytest.approx(eager_loss, rel=1e-5), curves
         assert graph_norm == pytest.approx(eager_norm, rel=1e-4), curves
+    aux = [(a.get("aux_loss"), b.get("aux_loss")) for a, b in zip(expected, got, strict=True)]
+    assert all((a is None) == (model_writer is not BALANCED_MOE) for a, _ in aux)
+    for eager_aux, graph_aux in aux:
+        assert graph_aux == pytest.approx(eager_aux, rel=1e-5), aux
 
 
 def test_a_padded_batch_trains_as_the_short_one(tmp_path, reference_ops):

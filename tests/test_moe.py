@@ -6,6 +6,8 @@ in one line."""
 import dataclasses
 import functools
 import json
+import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,19 +25,21 @@ from test_export import stored_tensors
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.names import EXPERT_PARAMETERS
+from qlora_cli.core.names import ALL_PROJECTIONS, EXPERT_PARAMETERS
+from qlora_cli.data.examples import IGNORE_INDEX, BatchPlan, Example
 from qlora_cli.export.command import export, find_checkpoint
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.from_config import lora_config
-from qlora_cli.model.mlps import MoEMLP
+from qlora_cli.model.mlps import MoEMLP, moe
 from qlora_cli.rundir.adapter import adapter_state_dict, load_adapter_state, trainable_tensors
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.sources.model_config import read_spec, spec_from_config
 from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP, ModelSpec, MoESpec
 from qlora_cli.sources.weights import rewrite_checkpoint, stream_tensors
 from qlora_cli.train.loop import train
+from qlora_kernels import cross_entropy
 from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.grouped_linear import GroupedNF4Weight
 from qlora_kernels.nf4 import quantize_nf4
@@ -305,6 +309,186 @@ def test_recomputed_layers_give_the_kept_layers_gradients(tmp_path, monkeypatch)
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
+def _peft_twin(ours: QLoRAModel, folder):
+    """transformers' model of `folder` under PEFT, holding our adapter on the projections it targets."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    targets = sorted({n for layer in ours.layers for g in layer.projections.values() for n in g.lora_A})
+    theirs = get_peft_model(
+        load_transformers(folder), LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    result = set_peft_model_state_dict(theirs, adapter_state_dict(ours))
+    # PEFT takes gate_proj/up_proj/down_proj to adapt transformers' fused experts as well; left at its
+    # zero B they add nothing, as our experts take no LoRA.
+    missing = [k for k in result.missing_keys if "lora_" in k and ".mlp.experts." not in k]
+    assert not missing and not result.unexpected_keys
+    return theirs
+
+
+def _assert_lora_gradients_match(ours: QLoRAModel, theirs) -> None:
+    params = dict(theirs.named_parameters())
+    # fp32 sums in other orders (the delta rule's chunks above all): 1e-4 of each gradient's scale, as
+    # for dense Qwen3.5, whose worst is 1.4e-5 here (Qwen3.5 MoE's 1.8e-5).
+    for name, tensor in trainable_tensors(ours).items():
+        their_grad = params[name.replace(".weight", ".default.weight")].grad
+        assert (tensor.grad - their_grad).abs().max() < 1e-4 * their_grad.abs().max(), name
+
+
+# ----- the load-balancing loss (config.json's output_router_logits) -----
+
+# A coefficient far above transformers' default, so that a wrong aux term moves the loss and the
+# gradients past their bounds.
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+# Model -> (writer, config overrides, LoRA targets). A Qwen3 MoE whose layer 1 is dense
+# (mlp_only_layers [1], no router) with LoRA on attention only, since PEFT leaves a dense layer's MLP
+# unadapted (test_lora_gradients_match_peft); one sparse in every layer; a Qwen3.5 MoE.
+BALANCED = {
+    "qwen3_moe-dense_layer": (write_qwen3_moe, {}, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "qwen3_moe": (write_qwen3_moe, {"mlp_only_layers": []}, ALL_PROJECTIONS),
+    "qwen3_5_moe": (write_qwen3_5_moe, {}, ALL_PROJECTIONS),
+}
+
+
+DOCUMENTS = (11, 7)
+
+
+def _documents_batch(packed: bool, vocab: int):
+    """Two documents of random tokens, every label trained, in a row each, padded (BatchPlan without
+    packing), or packed into one row padded to sequence_len."""
+    documents = [_ids(vocab, (1, n), seed=n)[0].tolist() for n in DOCUMENTS]
+    plan = BatchPlan(
+        [Example(d, d[1:] + [IGNORE_INDEX]) for d in documents], micro_batch_size=1 if packed else 2,
+        sequence_len=24, sample_packing=packed, seed=0, pad_token_id=0,
+    )  # fmt: skip
+    batch = plan.batch(0, 0)
+    assert plan.num_batches == 1 and not batch.real_tokens().all()
+    return batch
+
+
+def _micro_batch(layout: str, vocab: int):
+    """(our loss's arguments, transformers' forward's) for the same tokens: "whole" rows, or
+    _documents_batch "padded" or "packed". transformers gets each document in a row of its own,
+    padded, with an attention mask."""
+    if layout == "whole":
+        ids = _ids(vocab, (2, 17), seed=5)
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        return (ids, labels), {"input_ids": ids, "labels": ids}
+    packed = layout == "packed"
+    batch = _documents_batch(packed, vocab)
+    ours = (batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids if packed else None)
+    documents = [_ids(vocab, (1, n), seed=n)[0] for n in DOCUMENTS]
+    ids = torch.nn.utils.rnn.pad_sequence(documents, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in documents], batch_first=True)
+    theirs = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return (*ours, batch.real_tokens()), theirs
+
+
+@pytest.mark.parametrize("layout", ["whole", "padded", "packed"])
+@pytest.mark.parametrize("model", sorted(BALANCED))
+def test_load_balancing_loss_matches_transformers(model, layout, tmp_path):
+    """output_router_logits: our loss is transformers + PEFT's out.loss (the mean token loss plus
+    router_aux_loss_coef times the aux), with every LoRA gradient theirs, fp32 CPU. The aux is taken
+    over every routed layer's rows together, a dense layer's left out, padding left out as their
+    attention mask leaves it out (a padded batch's, a packed row's tail)."""
+    writer, overrides, targets = BALANCED[model]
+    folder = writer(tmp_path / "model", **AUX, **overrides)
+    lora = LoRAConfig(r=4, alpha=8, target_modules=targets)
+    ours = QLoRAModel.from_pretrained(folder, quantize=False, lora=lora, seed=1).train()
+    _random_b(ours)
+    theirs = _peft_twin(ours, folder)
+    inputs, their_inputs = _micro_batch(layout, ours.spec.vocab_size)
+    loss_sum, count = ours.loss(*inputs)
+    (loss_sum / count).backward()
+    out = theirs(**their_inputs)
+    out.loss.backward()
+    assert abs(float(ours.router_aux_loss) - float(out.aux_loss.detach())) < 1e-5
+    assert abs(float(loss_sum.detach() / count) - float(out.loss.detach())) < 1e-5
+    _assert_lora_gradients_match(ours, theirs)
+
+
+def test_only_a_training_loss_computes_the_aux_loss(tmp_path, monkeypatch):
+    """Evaluation's loss is the mean token loss alone (transformers' out.loss less coef · aux), and the
+    logits, a training-mode forward and generation tally no routing."""
+    folder = write_qwen3_moe(tmp_path / "model", **AUX)
+    ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
+    inputs, their_inputs = _micro_batch("whole", ours.spec.vocab_size)
+    with torch.no_grad():
+        out = load_transformers(folder)(**their_inputs)
+
+    def refuse(*args):
+        raise AssertionError("the routing was tallied outside a training loss")
+
+    monkeypatch.setattr(moe, "router_tally", refuse)
+    with torch.no_grad():
+        loss_sum, count = ours.loss(*inputs)
+        assert abs(float(loss_sum / count) - float(out.loss - 0.5 * out.aux_loss)) < 1e-5
+        ours.train()(inputs[0])
+    prompt = inputs[0][0, :5].tolist()
+    generate_ids(DecodingEngine(ours.eval()), [prompt], Sampling(max_new_tokens=3), set())
+
+
+def test_rows_a_graph_adds_are_padding_to_the_aux_loss(tmp_path):
+    """The untrained rows that fill a short micro-batch to a CUDA graph's shape (Batch.padded_to) count
+    in neither the aux loss nor the loss, which stay the short batch's."""
+    folder = write_qwen3_moe(tmp_path / "model", **AUX)
+    model = QLoRAModel.from_pretrained(folder, quantize=False).train()
+    short = _documents_batch(True, model.spec.vocab_size)
+    padded = short.padded_to(3)
+    assert padded.input_ids.shape[0] == 3 and not padded.real_tokens()[1:].any()
+    results = []
+    with torch.no_grad():
+        for batch in (short, padded):
+            inputs = (batch.input_ids, batch.labels, batch.position_ids, batch.doc_ids, batch.real_tokens())
+            loss_sum, count = model.loss(*inputs)
+            results.append((float(loss_sum), int(count), float(model.router_aux_loss)))
+    assert results[1] == pytest.approx(results[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["checkpoint", "offload"])
+def test_recomputed_layers_give_the_kept_layers_aux_loss_and_gradients(offload, tmp_path, monkeypatch):
+    """With the load-balancing loss, every layer recomputed in backward (torch's checkpoint, or with its
+    input offloaded to the host) gives the loss and gradients of none recomputed: a routed layer's tally
+    is one of its outputs, so its gradient runs through the rerun as the layer's others do. A Qwen3 MoE
+    with a dense layer, a packed row with padding, on the Triton kernels in the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    folder = write_qwen3_moe(tmp_path / "model", **AUX)
+    results = []
+    for recomputed in (0, 3):
+        model = QLoRAModel.from_pretrained(
+            folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1, checkpoint_layers=recomputed,
+            offload_activations=offload,
+        ).train()  # fmt: skip
+        _random_b(model)
+        loss_sum, count = model.loss(*_micro_batch("packed", model.spec.vocab_size)[0])
+        (loss_sum / count).backward()
+        grads = {name: t.grad for name, t in trainable_tensors(model).items()}
+        results.append((loss_sum.detach(), model.router_aux_loss.clone(), grads))
+    (loss, aux, grads), (recomputed_loss, recomputed_aux, recomputed_grads) = results
+    torch.testing.assert_close(recomputed_loss, loss)
+    torch.testing.assert_close(recomputed_aux, aux)
+    for name, grad in grads.items():
+        torch.testing.assert_close(recomputed_grads[name], grad, msg=name)
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "references"])
+def test_the_load_balancing_loss_reads_nothing_on_the_host(interpret, tmp_path, monkeypatch):
+    """A training loss with the load-balancing loss, forward and backward, its layers kept or
+    recomputed, never brings a device value to the host, so the step's CUDA graph captures it. The
+    label check is left out: the graph runs it on the host before the capture and skips it inside."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(cross_entropy, "check_labels_in_vocab", lambda *args: None)
+    folder = write_qwen3_moe(tmp_path / "model", **AUX)
+    for recomputed in (0, 3):
+        model = QLoRAModel.from_pretrained(
+            folder, quantize=False, lora=LoRAConfig(r=4, alpha=8), seed=1, checkpoint_layers=recomputed
+        ).train()
+        inputs = _micro_batch("packed", model.spec.vocab_size)[0]
+        with _HostReads():
+            loss_sum, _ = model.loss(*inputs)
+            loss_sum.backward()
+
+
 def test_experts_are_quantized_one_by_one_to_nf4_and_the_router_is_not(tmp_path):
     folder = write_qwen3_moe(tmp_path / "model")
     ours = QLoRAModel.from_pretrained(folder, quantize=True).eval()
@@ -345,7 +529,11 @@ QWEN3_MOE = {
         ({"router_type": "noisy"}, 'router_type "noisy" is not supported for qwen3_moe'),
         ({"ep_size": 4}, "ep_size 4 is not supported for qwen3_moe"),
         ({"n_group": 8}, "n_group 8 is not supported"),
-        ({"output_router_logits": True}, "output_router_logits true is not supported"),
+        ({"output_router_logits": "yes"}, 'output_router_logits must be true or false, got "yes"'),
+        (
+            {"output_router_logits": True, "router_aux_loss_coef": None},
+            "router_aux_loss_coef must be a number, got null",
+        ),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be between 1 and num_experts 4"),
         ({"mlp_only_layers": [2]}, "mlp_only_layers must list layer indices below 2"),
     ],
@@ -355,6 +543,22 @@ def test_unsupported_moe_settings_are_one_line_naming_the_key(keys, line):
         spec_from_config({**QWEN3_MOE, **keys})
     message = str(refused.value)
     assert line in message and "\n" not in message
+
+
+def test_the_aux_loss_coefficient_is_read_where_output_router_logits_asks_for_the_loss():
+    """router_aux_loss_coef, else transformers' default for the family; None where training adds no aux."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
+
+    from qlora_cli.sources.families import family
+
+    def coef(**keys):
+        return spec_from_config({**QWEN3_MOE, **keys}).moe.router_aux_loss_coef
+
+    assert coef() is None and coef(output_router_logits=False, router_aux_loss_coef=0.5) is None
+    assert coef(output_router_logits=True, router_aux_loss_coef=0.5) == 0.5
+    assert coef(output_router_logits=True) == Qwen3MoeConfig().router_aux_loss_coef
+    qwen3_5_moe = family("qwen3_5_moe", "config.json")
+    assert qwen3_5_moe.router_aux_loss_coef == Qwen3_5MoeTextConfig().router_aux_loss_coef
 
 
 def test_num_local_experts_and_the_sparse_step_are_read():
@@ -386,9 +590,59 @@ def test_trains_with_packing_and_recompute(family, tmp_path):
     lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
     losses = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
     assert len(losses) == 6 and max(losses[-2:]) < min(losses[:2])
+    assert not [line for line in lines if "aux_loss" in line]
     adapter = load_file(result.output_dir / "adapter_model.safetensors")
     assert adapter and not [name for name in adapter if ".experts." in name]
     assert any(".mlp.shared_expert." in name for name in adapter) == (family == "qwen3_5_moe")
+
+
+def _balanced_run(folder, **config) -> Path:
+    """A run of a Qwen3 MoE that asks for the load-balancing loss, rows padded, two micro-batches a step."""
+
+    def writer(model):
+        return add_demo_tokenizer(write_qwen3_moe(model, vocab_size=1024, **AUX))
+
+    return write_run(
+        folder, model_writer=writer, rows=12, sequence_len=96, gradient_accumulation_steps=2, **config
+    )
+
+
+def test_trains_with_the_load_balancing_loss_and_logs_it(tmp_path):
+    """qlora train with output_router_logits, every layer recomputed: the loss falls and every
+    metrics.jsonl record has the aux loss, unscaled (the logged loss holds it times the coefficient)."""
+    path = _balanced_run(tmp_path / "run", learning_rate=3e-3, max_steps=6, gradient_checkpointing=True)
+    result = train(load_config(path))
+    records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    assert len(records) == 6 and max(r["loss"] for r in records[-2:]) < min(r["loss"] for r in records[:2])
+    assert all(math.isfinite(r["aux_loss"]) and 0 < 0.5 * r["aux_loss"] < r["loss"] for r in records)
+
+
+def test_a_step_adds_each_micro_batchs_aux_loss_weighed_by_its_trained_tokens(tmp_path):
+    """Two padded micro-batches a step: the step's summed loss is transformers' out.loss of each
+    micro-batch (its padding masked) times its trained tokens, summed, and its aux the same of out.aux_loss,
+    as QLoRAModel.loss and train_step document for accumulation."""
+    from qlora_cli.train.run import build_run
+    from qlora_cli.train.step import train_step
+
+    config = load_config(_balanced_run(tmp_path / "run", adapter="lora", load_in_4bit=False))
+    run = build_run(config)
+    theirs = load_transformers(Path(config.base_model))
+    epoch, indices = run.train_plan.step_micro_batches(0, 2)
+    batches = [run.train_plan.batch(epoch, index) for index in indices]
+    loss_sum = aux_sum = 0.0
+    for batch in batches:
+        assert not batch.real_tokens().all()
+        # Our labels are shifted already; transformers shifts its own.
+        labels = torch.cat([torch.full_like(batch.labels[:, :1], -100), batch.labels[:, :-1]], dim=1)
+        with torch.no_grad():
+            out = theirs(input_ids=batch.input_ids, attention_mask=batch.real_tokens().long(), labels=labels)
+        loss_sum += float(out.loss) * batch.n_tokens
+        aux_sum += float(out.aux_loss) * batch.n_tokens
+    step = train_step(run, 0)
+    assert len(batches) == 2 and step.trained_tokens == sum(batch.n_tokens for batch in batches)
+    assert step.loss_sum == pytest.approx(loss_sum, rel=1e-5)
+    assert step.aux_loss_sum == pytest.approx(aux_sum, rel=1e-5)
 
 
 def _write_dense(folder):

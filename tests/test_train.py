@@ -234,7 +234,7 @@ def test_a_short_last_step_is_normalised_over_what_it_holds(tmp_path):
     logits = run.model(last.input_ids, last.position_ids).flatten(0, 1)
     total = torch.nn.functional.cross_entropy(logits, last.labels.flatten(), reduction="sum")
     expected = torch.autograd.grad(total / last.n_tokens, params)
-    loss_sum, trained, _ = train_step(run, 1)
+    loss_sum, trained, _, _ = train_step(run, 1)
     assert trained == last.n_tokens
     assert loss_sum == pytest.approx(float(total.detach()), rel=1e-5)
     for param, grad in zip(params, expected, strict=True):
@@ -260,9 +260,9 @@ def test_a_step_gradient_is_that_of_the_mean_token_loss(tmp_path):
         torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-7)
 
 
-def first_documents_nll(model, input_ids, labels, position_ids, doc_ids):
+def first_documents_nll(model, input_ids, labels, position_ids, doc_ids, real_tokens):
     """A test-only objective: minus the summed log-probs of each row's first document alone, counted
-    over that document's trained tokens."""
+    over that document's trained tokens (a dense model: real_tokens is None)."""
     logprobs = model.document_log_probs(input_ids, labels, position_ids, doc_ids)
     first = (doc_ids != doc_ids[:, :1]).cumsum(1) == 0
     return -logprobs[:, 0].sum(), ((labels != -100) & first).sum()
@@ -302,7 +302,7 @@ def test_an_objective_plugged_in_through_the_seam_is_what_the_step_and_evaluatio
     run.model.train()
     expected_eval = sum(float(t) for t, _ in evaluated) / sum(n for _, n in evaluated)
 
-    loss_sum, step_trained, _ = train_step(run, 0)
+    loss_sum, step_trained, _, _ = train_step(run, 0)
     assert step_trained == trained
     assert loss_sum == pytest.approx(float(total.detach()), rel=1e-5)
     for param, grad in zip(params, expected, strict=True):

@@ -329,7 +329,8 @@ class Batch:
     """One micro-batch: rows of packed or padded documents with what attention and RoPE need to keep them apart.
 
     position_ids restart at 0 for every document; doc_ids number the documents of a row, and padding
-    carries an id no document in its row has. n_tokens counts trained labels.
+    carries an id no document in its row has. n_tokens counts trained labels. row_tokens: each row's
+    tokens before its padding, which always ends a row.
     """
 
     input_ids: torch.Tensor
@@ -337,6 +338,7 @@ class Batch:
     position_ids: torch.Tensor
     doc_ids: torch.Tensor
     n_tokens: int
+    row_tokens: tuple[int, ...]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
@@ -345,7 +347,15 @@ class Batch:
             position_ids=self.position_ids.to(device, non_blocking=non_blocking),
             doc_ids=self.doc_ids.to(device, non_blocking=non_blocking),
             n_tokens=self.n_tokens,
+            row_tokens=self.row_tokens,
         )
+
+    def real_tokens(self) -> torch.Tensor:
+        """[rows, width] bool on the batch's device, False at padding: what transformers' attention mask
+        marks. Made on demand, since only a MoE's load-balancing loss reads it."""
+        device = self.input_ids.device
+        positions = torch.arange(self.input_ids.shape[1], device=device)
+        return positions < torch.tensor(self.row_tokens, device=device)[:, None]
 
     def untrained(self) -> Batch:
         """This batch with no trained label: a rank with no micro-batch left in an epoch's last step runs
@@ -353,7 +363,8 @@ class Batch:
         return dataclasses.replace(self, labels=torch.full_like(self.labels, IGNORE_INDEX), n_tokens=0)
 
     def padded_to(self, rows: int) -> Batch:
-        """This batch with at least `rows` rows: each added row is one document of untrained tokens.
+        """This batch with at least `rows` rows: each added row is one document of untrained tokens, and
+        padding to the load-balancing loss (no real token).
 
         A CUDA graph replays one shape, and an epoch's last micro-batch may hold fewer rows.
         """
@@ -371,6 +382,7 @@ class Batch:
             position_ids=extended(self.position_ids, torch.arange(width)),
             doc_ids=extended(self.doc_ids, torch.zeros(width)),
             n_tokens=self.n_tokens,
+            row_tokens=self.row_tokens + (0,) * missing,
         )
 
 
@@ -530,6 +542,7 @@ class BatchPlan:
             position_ids=(torch.arange(tokens) - starts.index_select(0, segment)).view(shape),
             doc_ids=documents.index_select(0, segment).view(shape),
             n_tokens=int((labels_tensor != IGNORE_INDEX).sum()),
+            row_tokens=tuple(sum(row) for row in lengths),
         )
 
 

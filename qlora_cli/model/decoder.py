@@ -22,6 +22,7 @@ from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.layers import DecoderLayer, shape_problem
 from qlora_cli.model.lora import LoRAConfig
+from qlora_cli.model.mlps.balance import load_balancing_loss
 from qlora_cli.model.modes import LayerCache
 from qlora_cli.model.offload import HostOffloader, OffloadedLayer
 from qlora_cli.sources.hub import resolve_model
@@ -75,6 +76,16 @@ class QLoRAModel(nn.Module):
         # 1.0 with the adapter on, 0.0 off (adapter_off): a device value, so that a captured CUDA graph
         # that runs the model both ways (a preference loss's policy and reference) reads the switch.
         self.register_buffer("adapter_scale", torch.ones(()), persistent=False)
+        # The last training forward's load-balancing loss, unscaled (`loss`): a device value written in
+        # place, which a CUDA graph's replays write too, for the step to log.
+        self.register_buffer("router_aux_loss", torch.zeros(()), persistent=False)
+
+    @property
+    def balances_experts(self) -> bool:
+        """Whether training adds the load-balancing loss: config.json's output_router_logits, on a model
+        with a router (a Qwen3 MoE may have made every layer dense)."""
+        asked = self.spec.moe is not None and self.spec.moe.router_aux_loss_coef is not None
+        return asked and any(layer.mlp.routes_tokens for layer in self.layers)
 
     def set_dropout_seed(self, seed: int) -> None:
         """The seed of the next micro-batch's LoRA dropout masks, written on the device in place, so
@@ -105,6 +116,7 @@ class QLoRAModel(nn.Module):
         model.inv_freq = rope_inv_freq(spec, device)
         model.dropout_seed.zero_()
         model.adapter_scale.fill_(1.0)
+        model.router_aux_loss.zero_()
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in model.layers:
             for group in layer.projections.values():
@@ -215,19 +227,27 @@ class QLoRAModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [batch, seq, hidden]. `caches`, one per layer, in generation
         (qlora_cli/generate/decoding.py)."""
+        return self._run_layers(input_ids, position_ids, doc_ids, caches)[0]
+
+    def _run_layers(self, input_ids, position_ids, doc_ids, caches=None, balance_tokens=None):
+        """(final-normed hidden states, the routed layers' tallies for the load-balancing loss, taken
+        where `balance_tokens` is given: see DecoderLayer.forward)."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         x = timed(Op.EMBEDDING, F.embedding, input_ids, self.embed_tokens)
         residual = None
+        tallies = []
         for i, layer in enumerate(self.layers):
+            tokens = balance_tokens if layer.mlp.routes_tokens else None
             if self.training and i < self.checkpoint_layers and torch.is_grad_enabled():
                 # A recomputed layer keeps only its input: hand it the residual stream as one tensor.
                 stream = x if residual is None else x + residual
                 if self.offload_activations:
-                    x, residual = self._offloaded(i, stream, position_ids, doc_ids)
+                    x, residual, *tally = self._offloaded(i, stream, position_ids, doc_ids, tokens)
+                    tallies += tally
                     continue
-                x, residual = checkpoint(
+                x, residual, *tally = checkpoint(
                     layer,
                     stream,
                     None,
@@ -236,6 +256,7 @@ class QLoRAModel(nn.Module):
                     self.inv_freq,
                     self.dropout_seed,
                     self.adapter_scale,
+                    balance_tokens=tokens,
                     use_reentrant=False,
                     context_fn=layer.checkpoint_contexts,
                     # LoRA dropout, a layer's only random op, repeats its masks from dropout_seed; no
@@ -244,7 +265,7 @@ class QLoRAModel(nn.Module):
                 )
             else:
                 cache = None if caches is None else caches[i]
-                x, residual = layer(
+                x, residual, *tally = layer(
                     x,
                     residual,
                     position_ids,
@@ -253,7 +274,9 @@ class QLoRAModel(nn.Module):
                     self.dropout_seed,
                     self.adapter_scale,
                     cache=cache,
+                    balance_tokens=tokens,
                 )
+            tallies += tally
         h, _ = timed(
             Op.FINAL_NORM,
             add_rms_norm,
@@ -263,16 +286,25 @@ class QLoRAModel(nn.Module):
             self.spec.rms_norm_eps,
             zero_centred=self.spec.zero_centred_norms,
         )
-        return h
+        return h, tallies
 
-    def _offloaded(self, index: int, stream, position_ids, doc_ids):
+    def _offloaded(self, index: int, stream, position_ids, doc_ids, balance_tokens):
         """Layer `index` recomputed in backward, its input kept in host memory (qlora_cli/model/offload.py)."""
         if self.offloader is None:
             self.offloader = HostOffloader(stream.device, len(self.layers))
         layer = self.layers[index]
 
         def run_layer(x):
-            return layer(x, None, position_ids, doc_ids, self.inv_freq, self.dropout_seed, self.adapter_scale)
+            return layer(
+                x,
+                None,
+                position_ids,
+                doc_ids,
+                self.inv_freq,
+                self.dropout_seed,
+                self.adapter_scale,
+                balance_tokens=balance_tokens,
+            )
 
         trainables = [p for p in layer.parameters() if p.requires_grad]
         return OffloadedLayer.apply(
@@ -291,13 +323,30 @@ class QLoRAModel(nn.Module):
         h = self.hidden_states(input_ids, position_ids, doc_ids)
         return timed(Op.LM_HEAD_LOSS, linear_document_logprobs, h, self.lm_head, labels, doc_ids)
 
-    def loss(self, input_ids, labels, position_ids=None, doc_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of token losses, count of trained tokens); labels are already shifted."""
-        h = self.hidden_states(input_ids, position_ids, doc_ids)
-        return timed(
+    def loss(
+        self, input_ids, labels, position_ids=None, doc_ids=None, real_tokens=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token losses, count of trained tokens); labels are already shifted.
+
+        A MoE whose config.json asks for the load-balancing loss (`balances_experts`) adds
+        router_aux_loss_coef · aux · count to the sum while training, so that the sum over the count is
+        transformers' loss with labels: the mean token loss plus the weighted aux. `real_tokens`
+        [batch, seq], False at padding, keeps padding out of the aux as transformers' attention mask
+        does; None counts every token. The aux itself is left in `router_aux_loss`."""
+        balance_tokens = None
+        if self.training and self.balances_experts:
+            counted = torch.ones_like(input_ids, dtype=torch.bool) if real_tokens is None else real_tokens
+            balance_tokens = counted.reshape(-1).float()
+        h, tallies = self._run_layers(input_ids, position_ids, doc_ids, balance_tokens=balance_tokens)
+        loss_sum, count = timed(
             Op.LM_HEAD_LOSS,
             linear_cross_entropy,
             h.reshape(-1, h.shape[-1]),
             self.lm_head,
             labels.reshape(-1),
         )
+        if balance_tokens is None:
+            return loss_sum, count
+        aux = load_balancing_loss(tallies, balance_tokens)
+        self.router_aux_loss.copy_(aux.detach())
+        return loss_sum + self.spec.moe.router_aux_loss_coef * aux * count, count

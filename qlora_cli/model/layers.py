@@ -182,11 +182,15 @@ class DecoderLayer(nn.Module):
         dropout_seed=None,
         adapter_scale=None,
         cache: LayerCache | None = None,
+        balance_tokens: torch.Tensor | None = None,
     ):
         """(x, residual) [batch, seq, hidden] in and out. `cache` is None in training; in generation
         it keeps this layer's keys and values (or conv and recurrent states), and a decode step's
         cache brings the decode kernels, with LoRA folded in as it was when the cache was made.
-        `adapter_scale`, a 0-d tensor, multiplies LoRA's contribution (QLoRAModel.adapter_off)."""
+        `adapter_scale`, a 0-d tensor, multiplies LoRA's contribution (QLoRAModel.adapter_off).
+        `balance_tokens`, given to a layer whose MLP routes tokens when training adds the load-balancing
+        loss, adds the router's tally to what it returns (qlora_cli/model/mlps/balance.py): an output,
+        so that a recompute or an offload runs its backward as the layer's."""
         eps, zero_centred = self.spec.rms_norm_eps, self.spec.zero_centred_norms
         decoding = cache is not None and cache.decoding
         project = cache.projections if decoding else FusedProjections(self, dropout_seed, adapter_scale)
@@ -196,4 +200,7 @@ class DecoderLayer(nn.Module):
         h, residual = timed(
             Op.RMSNORM_FFN, add_rms_norm, x, residual, self.post_attention_layernorm, eps, **norm
         )
-        return self.mlp(h, project, self), residual
+        if balance_tokens is None:
+            return self.mlp(h, project, self), residual
+        out, tally = self.mlp(h, project, self, balance_tokens)
+        return out, residual, tally

@@ -57,6 +57,9 @@ class Family:
     reads_norm_topk_prob: bool = True
     reads_sparse_layers: bool = True
     shared_expert: bool = False
+    # The load-balancing loss's weight when config.json asks for the loss (output_router_logits) without
+    # giving router_aux_loss_coef: transformers' default for the family.
+    router_aux_loss_coef: float = 0.001
 
     @property
     def text_types(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ leaves unsaid, and the shape is checked before anything loads."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -68,8 +69,21 @@ _ROUTING_KEYS = {
     "ep_size": (None, 1),
     "expert_parallel_size": (None, 1),
     "moe_expert_parallel": (None, False),
-    "output_router_logits": (None, False),
 }
+
+
+def _router_aux_loss_coef(cfg: dict, row: Family, where: str) -> float | None:
+    """The load-balancing loss's weight where output_router_logits asks training for the loss, else None:
+    router_aux_loss_coef, or the family's default as transformers' config class has it."""
+    asked = cfg.get("output_router_logits")
+    if asked is None or asked is False:
+        return None
+    if asked is not True:
+        raise QLoraError(f"{where}: output_router_logits must be true or false, got {json.dumps(asked)}")
+    coef = cfg.get("router_aux_loss_coef", row.router_aux_loss_coef)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+        raise QLoraError(f"{where}: router_aux_loss_coef must be a number, got {json.dumps(coef)}")
+    return float(coef)
 
 
 def _moe(cfg: dict, row: Family, num_layers: int, where: str) -> tuple[tuple[str, ...], MoESpec | None]:
@@ -97,6 +111,7 @@ def _moe(cfg: dict, row: Family, num_layers: int, where: str) -> tuple[tuple[str
         shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"])
         if row.shared_expert
         else 0,
+        router_aux_loss_coef=_router_aux_loss_coef(cfg, row, where),
     )
     if not 1 <= moe.top_k <= moe.num_experts:
         raise QLoraError(

@@ -57,13 +57,16 @@ class MoESpec:
     """The routed experts of a mixture-of-experts layer: `num_experts` SwiGLU experts of
     `expert_intermediate_size`, `top_k` of them a token, picked by a softmax router; their weights
     renormalised to sum to 1 when `norm_topk_prob`. A shared expert of `shared_expert_intermediate_size`
-    (0: none) runs on every token beside them, scaled by sigmoid(shared_expert_gate . x)."""
+    (0: none) runs on every token beside them, scaled by sigmoid(shared_expert_gate . x).
+    `router_aux_loss_coef` weighs the load-balancing loss training adds (qlora_cli/model/mlps/balance.py),
+    None where config.json does not ask for it (output_router_logits)."""
 
     num_experts: int
     top_k: int
     expert_intermediate_size: int
     norm_topk_prob: bool
     shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float | None = None
 
     def expert_tensors(self, hidden: int) -> dict[str, tuple[int, int]]:
         """One expert's projections below `mlp.experts.E.`, with their [out, in] shapes."""

@@ -55,8 +55,8 @@ class LossModule(nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, input_ids, labels, position_ids, doc_ids):
-        return self.objective(self.model, input_ids, labels, position_ids, doc_ids)
+    def forward(self, input_ids, labels, position_ids, doc_ids, real_tokens):
+        return self.objective(self.model, input_ids, labels, position_ids, doc_ids, real_tokens)
 
 
 def _env_int(name: str) -> int:

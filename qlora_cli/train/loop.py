@@ -105,6 +105,7 @@ class StepOutcome:
     trained_tokens: int
     input_tokens: int  # of all ranks, padding included
     grad_norm: float
+    aux_loss_sum: float | None  # of all ranks, as StepLoss has it
 
     @property
     def loss(self) -> float:
@@ -139,6 +140,7 @@ class MetricWindow:
 
     def _restart(self) -> None:
         self.loss_sum, self.trained_tokens, self.input_tokens = 0.0, 0, 0
+        self.aux_loss_sum: float | None = None
         self.start = time.perf_counter()
         self.extra: dict = {}
 
@@ -146,6 +148,8 @@ class MetricWindow:
         self.loss_sum += outcome.loss_sum
         self.trained_tokens += outcome.trained_tokens
         self.input_tokens += outcome.input_tokens
+        if outcome.aux_loss_sum is not None:
+            self.aux_loss_sum = (self.aux_loss_sum or 0.0) + outcome.aux_loss_sum
 
     def due(self, done: int) -> bool:
         return done % self.run.config.logging_steps == 0 or done == self.run.total_steps
@@ -156,9 +160,13 @@ class MetricWindow:
         elapsed = max(1e-9, time.perf_counter() - self.start)
         peaks = run.dist.all_gather_json(memory_gib(run.device))
         batches_per_step = run.config.gradient_accumulation_steps * run.dist.world_size
+        trained = max(1, self.trained_tokens)
+        # A MoE's load-balancing loss, unscaled, averaged as the loss (which holds it scaled) is.
+        aux = {} if self.aux_loss_sum is None else {"aux_loss": self.aux_loss_sum / trained}
         record = {
             "step": done,
-            "loss": self.loss_sum / max(1, self.trained_tokens),
+            "loss": self.loss_sum / trained,
+            **aux,
             "lr": learning_rate(run.config, done - 1, run.total_steps),
             "grad_norm": grad_norm,
             "epoch": round(run.train_plan.epochs_done(done, batches_per_step), 4),
@@ -515,15 +523,15 @@ def _agreed_signal(run: Run, signals: StopSignals) -> int:
 def _run_step(run: Run, step: int, watchdog: LossWatchdog, last_checkpoint: Path | None) -> StepOutcome:
     """Forward, backward and update of optimizer step `step`. A non-finite loss, or one the watchdog
     finds too high for too long, stops the run before the update."""
-    loss_sum, trained, inputs = train_step(run, step)
-    loss_sum, inputs = run.dist.sum(loss_sum, inputs)
+    loss_sum, trained, inputs, aux_sum = train_step(run, step)
+    loss_sum, inputs, all_aux = run.dist.sum(loss_sum, inputs, aux_sum or 0.0)
     kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
     if not math.isfinite(loss_sum):
         raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
     if watchdog.too_high(loss_sum / max(1, trained)):
         raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
     grad_norm = optimizer_step(run, step)
-    return StepOutcome(loss_sum, trained, int(inputs), grad_norm)
+    return StepOutcome(loss_sum, trained, int(inputs), grad_norm, None if aux_sum is None else all_aux)
 
 
 def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:

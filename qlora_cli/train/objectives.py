@@ -26,12 +26,15 @@ class Objective(Protocol):
         labels: torch.Tensor,
         position_ids: torch.Tensor | None,
         doc_ids: torch.Tensor | None,
+        real_tokens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the micro-batch's summed loss, fp32 0-d; its trained-token count, which evaluation divides by)."""
+        """(the micro-batch's summed loss, fp32 0-d; its trained-token count, which evaluation divides by).
+        real_tokens: False at padding, where the model's loss needs to know it (Run.real_tokens), else None."""
 
 
 def causal_lm(
-    model: QLoRAModel, input_ids, labels, position_ids, doc_ids
+    model: QLoRAModel, input_ids, labels, position_ids, doc_ids, real_tokens
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy summed over the trained labels: what `qlora train` trains."""
-    return model.loss(input_ids, labels, position_ids, doc_ids)
+    """Next-token cross-entropy summed over the trained labels, plus a MoE's load-balancing loss where
+    its config asks for it (QLoRAModel.loss): what `qlora train` trains."""
+    return model.loss(input_ids, labels, position_ids, doc_ids, real_tokens)

@@ -67,6 +67,11 @@ class Run:
         """Document ids matter only in packed rows; a padded single-document row is plain causal."""
         return batch.doc_ids if plan.sample_packing else None
 
+    def real_tokens(self, batch):
+        """The padding mask, for a model that adds the load-balancing loss (QLoRAModel.loss); None for
+        the others, which read none, so none is made or copied."""
+        return batch.real_tokens() if self.model.balances_experts else None
+
 
 def _absolute(value):
     """Local paths (alone, in lists or in mappings) made absolute; anything else (a hub id, a glob) as is."""

@@ -26,6 +26,9 @@ class StepLoss(NamedTuple):
     loss_sum: float  # this rank's summed token loss
     trained_tokens: int  # trained tokens of all ranks
     input_tokens: int  # this rank's input tokens, padding included
+    # This rank's load-balancing loss (unscaled) times each micro-batch's trained tokens, summed, as it
+    # enters loss_sum; None where the model adds none.
+    aux_loss_sum: float | None
 
 
 def dropout_seed(run_seed: int, micro_batch: int) -> int:
@@ -72,6 +75,12 @@ def train_step(run: Run, step: int) -> StepLoss:
     gives the same update as one large batch, a short last step included. Under DDP the batch is every
     rank's micro-batches and DDP averages gradients over ranks, so each rank scales its loss by the
     world size; a rank left without a micro-batch runs an untrained one to join the exchange.
+
+    A MoE's load-balancing loss enters each micro-batch's sum as coef · aux · its trained tokens
+    (QLoRAModel.loss), so a step adds coef times its micro-batches' aux losses averaged by trained
+    tokens, as it averages the token losses: one micro-batch's is transformers' loss exactly, while
+    under accumulation each micro-batch's aux is its own, not that of the accumulated batch (a product
+    of sums over all its tokens). An untrained micro-batch adds none.
     """
     config, plan, dist = run.config, run.train_plan, run.dist
     with region(Op.DATA):
@@ -85,6 +94,7 @@ def train_step(run: Run, step: int) -> StepLoss:
     trained = int(dist.sum(sum(b.n_tokens for b in batches))[0])
     scale = dist.world_size / max(1, trained)
     loss_total = torch.zeros((), dtype=torch.float32, device=run.device)
+    aux_total = torch.zeros_like(loss_total) if run.model.balances_experts else None
     for i, (index, batch) in enumerate(zip(indices, batches, strict=True)):
         run.model.set_dropout_seed(dropout_seed(config.seed, epoch * plan.num_batches + index))
         if run.graphed is None:
@@ -96,9 +106,12 @@ def train_step(run: Run, step: int) -> StepLoss:
             batch = batch.padded_to(config.micro_batch_size)
             exchange, doc_ids = contextlib.nullcontext(), batch.doc_ids
         with exchange:
-            inputs = (batch.input_ids, batch.labels, batch.position_ids, doc_ids)
+            inputs = (batch.input_ids, batch.labels, batch.position_ids, doc_ids, run.real_tokens(batch))
             loss_total += micro_batch_backward(run.loss_module, inputs, scale, run.graphed)
-    return StepLoss(float(loss_total), trained, sum(b.input_ids.numel() for b in batches))
+        if aux_total is not None:
+            aux_total += run.model.router_aux_loss * batch.n_tokens
+    aux_sum = None if aux_total is None else float(aux_total)
+    return StepLoss(float(loss_total), trained, sum(b.input_ids.numel() for b in batches), aux_sum)
 
 
 def optimizer_step(run: Run, step: int) -> float:
@@ -128,7 +141,8 @@ def evaluate(run: Run) -> tuple[float, float]:
         for index in run.dist.shard(plan.num_batches):
             batch = plan.batch(0, index).to(run.device)
             doc_ids = run.packed_doc_ids(batch, plan)
-            total, n = run.objective(model, batch.input_ids, batch.labels, batch.position_ids, doc_ids)
+            inputs = (batch.input_ids, batch.labels, batch.position_ids, doc_ids, run.real_tokens(batch))
+            total, n = run.objective(model, *inputs)
             loss_sum += total.double().cpu()
             count += int(n)
     model.train()

@@ -1,5 +1,5 @@
-"""The MLPs of a decoder layer, a module each (the dense SwiGLU MLP, the mixture of experts), and MLPS,
-the registry keyed by ModelSpec.mlp_types.
+"""The MLPs of a decoder layer, a module each (the dense SwiGLU MLP, the mixture of experts, whose
+load-balancing loss is balance.py's), and MLPS, the registry keyed by ModelSpec.mlp_types.
 Imports qlora_kernels, qlora_cli.core, sources, and model's modes, sliced_mlp and lora."""
 
 from qlora_cli.model.mlps.dense import DenseMLP

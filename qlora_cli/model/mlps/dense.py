@@ -22,6 +22,8 @@ class DenseMLP(nn.Module):
     down_output_unread_in_recompute = True
     # No routed experts, so none of their LoRA (MoEMLP's).
     expert_lora = None
+    # No router: the load-balancing loss leaves its layer out.
+    routes_tokens = False
 
     def __init__(self, spec: ModelSpec, lora: LoRAConfig | None = None):
         """`lora` is the registry's common argument: this MLP's LoRA is its projection groups'."""

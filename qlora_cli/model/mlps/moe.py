@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qlora_cli.model.lora import LoRAConfig
+from qlora_cli.model.mlps.balance import router_tally
 from qlora_cli.model.mlps.expert_lora import ExpertLoRA
 from qlora_cli.model.modes import Projections
 from qlora_cli.sources.spec import ModelSpec
@@ -30,14 +31,15 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool):
-    """(weights [tokens, k] in x's dtype, experts [tokens, k]) for x [tokens, hidden]: softmax of the
-    router's logits in fp32, its top k as torch.topk orders them (ties to the lower expert index, as
-    transformers' router breaks them), summing to 1 when `renormalise`."""
+    """(probs [tokens, experts] fp32, weights [tokens, k] in x's dtype, experts [tokens, k]) for x
+    [tokens, hidden]: the softmax of the router's logits in fp32 (what the load-balancing loss reads),
+    its top k as torch.topk orders them (ties to the lower expert index, as transformers' router breaks
+    them), summing to 1 when `renormalise`."""
     probs = torch.softmax(F.linear(x, router.to(x.dtype)).float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), experts
+    return probs, weights.to(x.dtype), experts
 
 
 class MoEMLP(nn.Module):
@@ -47,6 +49,8 @@ class MoEMLP(nn.Module):
 
     groups = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
     checkpoint_module = "mlp.shared_expert"
+    # It has a router, so it tallies the load-balancing loss when asked (qlora_cli/model/mlps/balance.py).
+    routes_tokens = True
     # The shared expert's output is read after its down projection (scaled by its gate and added to the
     # experts'), so a recompute must produce it.
     down_output_unread_in_recompute = False
@@ -117,10 +121,11 @@ class MoEMLP(nn.Module):
         if self.expert_lora is not None:
             self.expert_lora.reset_lora(generator)
 
-    def forward(self, h, project: Projections, layer):
-        """h [batch, seq, hidden] -> the MLP's output; `layer` is the DecoderLayer it runs in."""
+    def forward(self, h, project: Projections, layer, balance_tokens: torch.Tensor | None = None):
+        """h [batch, seq, hidden] -> the MLP's output; `layer` is the DecoderLayer it runs in. With
+        `balance_tokens` [batch * seq] (1.0, or 0.0 at padding): (the output, the routing's `router_tally`)."""
         x = h.reshape(-1, h.shape[-1])
-        weights, experts = route(x, self.router, self.top_k, self.renormalise)
+        probs, weights, experts = route(x, self.router, self.top_k, self.renormalise)
         # Each (token, choice) pair sorted by expert; stable, so each expert's tokens keep their order.
         choices = experts.reshape(-1)
         order = torch.argsort(choices, stable=True)
@@ -150,4 +155,6 @@ class MoEMLP(nn.Module):
         if self.shared_expert:
             shared = project.down(project.swiglu(project.gate_up(h, 0)), 0).reshape(x.shape)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype))) * shared
-        return out.view(h.shape)
+        if balance_tokens is None:
+            return out.view(h.shape)
+        return out.view(h.shape), router_tally(probs, experts, balance_tokens)
