@@ -29,7 +29,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from qlora_kernels.nf4 import decode_nf4_bytes, load_block_absmax
+    from qlora_kernels.nf4 import nf4_tile
 
 
 @dataclass(frozen=True)
@@ -189,64 +189,6 @@ def grouped_linear_reference(
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _nf4_tile(
-        packed_ptr,
-        absmax_ptr,
-        nested_ptr,
-        code_ptr,
-        dynamic_map_ptr,
-        offset,
-        w_rows,
-        col_start,
-        w_out,
-        w_in,
-        ROWS: tl.constexpr,
-        WIDTH: tl.constexpr,
-        BLOCKSIZE: tl.constexpr,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-        WHOLE_BLOCKS: tl.constexpr,
-    ):
-        """One expert's weight rows `w_rows` (ROWS of them), columns [col_start, col_start + WIDTH), in
-        fp32; rows and columns past the weight read as zero. With WHOLE_BLOCKS (rows of whole
-        quantization blocks, the tile's columns whole blocks too) each block's absmax is loaded once
-        and spread over its bytes; otherwise a block may straddle rows and each byte looks its up."""
-        pairs = tl.arange(0, WIDTH // 2)
-        row_start = w_rows[:, None].to(tl.int64) * w_in + col_start
-        mask = (w_rows < w_out)[:, None] & (col_start + 2 * pairs < w_in)[None, :]
-        byte = (row_start + 2 * pairs[None, :]) // 2
-        packed = tl.load(packed_ptr + byte, mask=mask, other=0).to(tl.int32)
-        if WHOLE_BLOCKS:
-            blocks = tl.arange(0, WIDTH // BLOCKSIZE)
-            block_mask = (w_rows < w_out)[:, None] & (col_start + blocks * BLOCKSIZE < w_in)[None, :]
-            absmax = load_block_absmax(
-                absmax_ptr,
-                nested_ptr,
-                dynamic_map_ptr,
-                offset,
-                row_start // BLOCKSIZE + blocks[None, :],
-                block_mask,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-            )
-            absmax = tl.where(block_mask, absmax, 0.0)
-            per_byte = tl.broadcast_to(absmax[:, :, None], (ROWS, WIDTH // BLOCKSIZE, BLOCKSIZE // 2))
-            absmax = tl.reshape(per_byte, (ROWS, WIDTH // 2))
-        else:
-            absmax = load_block_absmax(
-                absmax_ptr,
-                nested_ptr,
-                dynamic_map_ptr,
-                offset,
-                2 * byte // BLOCKSIZE,
-                mask,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-            )
-            absmax = tl.where(mask, absmax, 0.0)
-        return decode_nf4_bytes(packed, absmax, code_ptr)
-
-    @triton.jit
     def _expert_tile(
         weight_ptr,
         absmax_ptr,
@@ -270,7 +212,7 @@ if TRITON_AVAILABLE:
         """The weight tile [ROWS, WIDTH] at rows `w_rows` and columns from `col_start`, in `dtype`:
         decoded from NF4 when QUANTIZED, else read from the plain weight."""
         if QUANTIZED:
-            tile = _nf4_tile(
+            tile = nf4_tile(
                 weight_ptr,
                 absmax_ptr,
                 nested_ptr,
@@ -279,14 +221,14 @@ if TRITON_AVAILABLE:
                 offset,
                 w_rows,
                 col_start,
-                w_out,
+                w_rows < w_out,
                 w_in,
-                ROWS,
-                WIDTH,
                 BLOCKSIZE,
                 NESTED_BLOCKSIZE,
                 DOUBLE_QUANT,
                 WHOLE_BLOCKS,
+                ROWS,
+                WIDTH,
             )
         else:
             cols = col_start + tl.arange(0, WIDTH)

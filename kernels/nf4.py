@@ -331,6 +331,67 @@ if TRITON_AVAILABLE:
         return tl.interleave(high, low)
 
     @triton.jit
+    def tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks,
+        and which of them lie in the matrix before column k_end."""
+        block_in_tile = tl.arange(0, BLOCK_K // BLOCKSIZE)
+        blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
+        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < k_end)[None, :]
+        return blocks, mask
+
+    @triton.jit
+    def nf4_tile(
+        packed_ptr,
+        absmax_ptr,
+        nested_ptr,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        rows,
+        k_start,
+        row_mask,
+        K,
+        BLOCKSIZE: tl.constexpr,
+        NESTED_BLOCKSIZE: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """fp32 weights [BLOCK_N, BLOCK_K] at (rows, k_start..); zeros outside the matrix.
+
+        ALIGNED (rows are whole quantization blocks, tiles too): bytes come in as [rows, blocks,
+        bytes of a block] and each block's absmax is rebuilt once. Otherwise every value finds
+        its own byte, nibble and block from its flat index (any K, odd ones included).
+        """
+        if ALIGNED:
+            blocks, mask = tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
+            absmax = load_block_absmax(
+                absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
+            )
+            byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+            packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
+            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr)
+            return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
+        else:
+            ks = k_start + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (ks < K)[None, :]
+            flat = rows[:, None] * K + ks[None, :]
+            packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
+            codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
+            absmax = load_block_absmax(
+                absmax_ptr,
+                nested_ptr,
+                dynamic_map_ptr,
+                offset,
+                flat // BLOCKSIZE,
+                mask,
+                NESTED_BLOCKSIZE,
+                DOUBLE_QUANT,
+            )
+            return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
+
+    @triton.jit
     def _quantize_nf4_kernel(
         weight_ptr,
         midpoints_ptr,

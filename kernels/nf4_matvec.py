@@ -41,7 +41,11 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from qlora_kernels.nf4 import decode_nested_absmax, decode_nf4_bytes, load_block_absmax
+    from qlora_kernels.nf4 import (
+        decode_nested_absmax,
+        nf4_tile,
+        tile_blocks,
+    )
 
 
 # ----------------------------------------------------------------------------- reference
@@ -76,67 +80,6 @@ def nf4_matvec_reference(
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Quantization blocks [rows, BLOCK_K // BLOCKSIZE] of a tile whose rows are whole blocks,
-        and which of them lie in the matrix before column k_end."""
-        block_in_tile = tl.arange(0, BLOCK_K // BLOCKSIZE)
-        blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
-        mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < k_end)[None, :]
-        return blocks, mask
-
-    @triton.jit
-    def _nf4_tile(
-        packed_ptr,
-        absmax_ptr,
-        nested_ptr,
-        code_ptr,
-        dynamic_map_ptr,
-        offset,
-        rows,
-        k_start,
-        row_mask,
-        K,
-        BLOCKSIZE: tl.constexpr,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-        ALIGNED: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """fp32 weights [BLOCK_N, BLOCK_K] at (rows, k_start..); zeros outside the matrix.
-
-        ALIGNED (rows are whole quantization blocks, tiles too): bytes come in as [rows, blocks,
-        bytes of a block] and each block's absmax is rebuilt once. Otherwise every value finds
-        its own byte, nibble and block from its flat index (any K, odd ones included).
-        """
-        if ALIGNED:
-            blocks, mask = _tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
-            absmax = load_block_absmax(
-                absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
-            )
-            byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
-            packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
-            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr)
-            return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
-        else:
-            ks = k_start + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            flat = rows[:, None] * K + ks[None, :]
-            packed = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
-            codes = tl.where((flat & 1) == 0, packed >> 4, packed & 0xF)
-            absmax = load_block_absmax(
-                absmax_ptr,
-                nested_ptr,
-                dynamic_map_ptr,
-                offset,
-                flat // BLOCKSIZE,
-                mask,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-            )
-            return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
-
-    @triton.jit
     def _fetch_blocks(
         packed_ptr,
         absmax_ptr,
@@ -154,7 +97,7 @@ if TRITON_AVAILABLE:
     ):
         """The raw bytes of a tile of whole blocks and of its x slice, nothing computed from them:
         issued a step ahead of their use, they are in flight while the previous tile computes."""
-        blocks, mask = _tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE, BLOCK_K)
+        blocks, mask = tile_blocks(rows, k_start, row_mask, K, k_end, BLOCKSIZE, BLOCK_K)
         byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
         packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0)
         if DOUBLE_QUANT:
@@ -292,7 +235,7 @@ if TRITON_AVAILABLE:
                     w_mask = row_mask[:, None] & k_mask[None, :]
                     weights = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
                 else:
-                    weights = _nf4_tile(
+                    weights = nf4_tile(
                         weight_ptr,
                         absmax_ptr,
                         nested_ptr,
