@@ -111,7 +111,7 @@ VARIANT_KEYS = {
     "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
     "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},
     "solve_warps": lambda warps: {(tables, "_SOLVE_WARPS"): warps},
-    "table_warps": lambda warps: {(tables, "_WARPS"): warps},
+    "table_warps": lambda warps: {(tables, "_TABLE_WARPS"): warps},
     "backward_warps": lambda warps: {(backward, "_WARPS"): warps},
 }
 

@@ -48,7 +48,7 @@ def _bf16_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor):
 
 def _per_expert(x: torch.Tensor, dense: torch.Tensor, bounds: list[int]):
     def run():
-        return torch.cat([x[a:b] @ w.T for a, b, w in zip(bounds, bounds[1:], dense, strict=True)])
+        return torch.cat([x[a:b] @ w.T for a, b, w in zip(bounds[:-1], bounds[1:], dense, strict=True)])
 
     return run
 
