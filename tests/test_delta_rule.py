@@ -254,28 +254,41 @@ GPU_PACKED = [[700, 1, 1283, 64], [1024, 1024]]
 
 # bf16 q, k, v, beta and incoming gradients, compared with the fp32 reference run on the same
 # (upcast) values. With bf16 inputs the kernels store q, k and the chunk tables in bf16 and multiply
-# on tensor cores (bf16 operands, fp32 accumulation; see TENSOR_CORE_DTYPES), so with u = 2^-9 the
-# unit roundoff (round to nearest: relative error uniform in [-u, u], rms u/sqrt(3)):
+# on tensor cores (bf16 operands, fp32 accumulation; see TENSOR_CORE_DTYPES), so with u = 2^-8 bf16's
+# unit roundoff (round to nearest: relative error within [-u, u], rms about u/sqrt(3)):
 # - one product sum_n a_n b_n rounds both operands of every term: an independent relative error of
 #   rms sqrt(2/3) u = 0.82u per term, so the product's error is 0.82u times the rms of its terms,
 #   whatever n (the sqrt(n) growth of the error is the sum's own for random-sign terms);
 # - o is at the end of 5 such products (K K^T, T (beta V) and T (beta K), W S, Q S and Aqk delta)
-#   and 5 bf16 stores (q, k, T, W, Aqk): sqrt(5 * 0.82^2 + 5 / 3) u = 2.2u = 0.43% rms. The fp32
+#   and 5 bf16 stores (q, k, T, W, Aqk): sqrt(5 * 0.82^2 + 5 / 3) u = 2.2u = 0.86% rms. The fp32
 #   state carries each chunk's error on, but the recurrence never expands it (|exp(g)| <= 1,
 #   ||I - beta k k^T|| <= 1 for |k| = 1), so the state's error stays that fraction of the state;
 # - a gradient is at the end of the recomputed forward and up to 7 products back (and delta and
-#   d delta stored in bf16): sqrt(12 * 0.82^2 + 7 / 3) u = 3.2u = 0.63% rms;
+#   d delta stored in bf16): sqrt(12 * 0.82^2 + 7 / 3) u = 3.2u = 1.25% rms;
 # - dbeta and dg are sums whose terms cancel (dbeta: d(beta v) . v + the W term + the dA term; dg:
 #   a reverse sum of db = row minus column sums of the same products), so their error is relative
-#   to the terms, about twice the result here: 1.3% rms;
+#   to the terms, about twice the result here: 2.5% rms;
 # - the test takes max error over max value: over 10^7 entries both are ~5 rms, but the error of an
-#   entry is a sum of few dominant roundings with a heavier tail, allow 1.5x: 1.9%; the stored bf16
-#   result adds u = 0.2% of the largest entry.
-# So 2e-2 of the largest value. An emulation on the CPU (the interpreter, its bf16 products and
-# round-to-nearest casts patched to the GPU's, T = 192, Dk = Dv = 128) measured max/max errors of
-# 0.5% (o), 0.3-0.5% (dq, dk, dv, dg) and 1.2% (dbeta, 0.8% rms), within this; the same emulation
-# with dk's transposed decay planted wrong (decay for decay^T, 12% rms) measured 3.7% on dk.
-BF16_TOL = 2e-2
+#   entry is a sum of few dominant roundings with a heavier tail, allow 1.5x; the stored bf16 result
+#   adds u = 0.4% of the largest entry.
+# So o and the final state 1.5 * 0.86 + 0.4 = 1.7%, the gradients 1.5 * 1.25 + 0.4 = 2.3%, dbeta and
+# dg 1.5 * 2.5 + 0.4 = 4.2% of the largest value. An emulation on the CPU (the interpreter, its bf16
+# products and round-to-nearest casts patched to the GPU's, T = 192, Dk = Dv = 128) measured max/max
+# errors of 0.5% (o), 0.3-0.5% (dq, dk, dv, dg) and 1.2% (dbeta, 0.8% rms), within these; the same
+# emulation with dk's transposed decay planted wrong (decay for decay^T, 12% rms) measured 3.7% on dk.
+BF16_TOL = {
+    "o": 2e-2,
+    "final state": 2e-2,
+    "dq": 2.5e-2,
+    "dk": 2.5e-2,
+    "dv": 2.5e-2,
+    "dstate": 2.5e-2,
+    "dg": 4.5e-2,
+    "dbeta": 4.5e-2,
+}
+# Two o's, each with its own rounding errors against the reference: sqrt(2) * 0.86% rms, so
+# 1.5 * 1.2 + 0.4 = 2.2% of the largest value.
+BF16_PAIR_TOL = 2.5e-2
 
 
 def _gpu_case(seed=0):
@@ -306,15 +319,15 @@ def test_gpu_bf16_against_fp32_reference(tokens_per_pass):
     do = torch.randn(ref[0].shape, generator=generator, device="cuda").bfloat16()
     dfinal = torch.randn(ref[1].shape, generator=generator, device="cuda")
     assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32
-    _assert_close(out[0], ref[0], BF16_TOL, "o")
-    _assert_close(out[1], ref[1], BF16_TOL, "final state")
+    _assert_close(out[0], ref[0], BF16_TOL["o"], "o")
+    _assert_close(out[1], ref[1], BF16_TOL["final state"], "final state")
     grads = torch.autograd.grad(out, leaves, (do, dfinal))
     ref_grads = torch.autograd.grad(ref, ref_leaves, (do.float(), dfinal))
     for name, actual, expected, leaf in zip(
         ["dq", "dk", "dv", "dg", "dbeta", "dstate"], grads, ref_grads, leaves, strict=True
     ):
         assert actual.dtype == leaf.dtype
-        _assert_close(actual, expected, BF16_TOL, name)
+        _assert_close(actual, expected, BF16_TOL[name], name)
 
 
 @pytest.mark.gpu
@@ -327,10 +340,8 @@ def test_gpu_packed_row_equals_documents_one_by_one():
         for n in lengths:
             part = [t[row : row + 1, start : start + n] for t in (q, k, v, g, beta)]
             alone, _ = gated_delta_rule(*part)
-            # Chunks fall elsewhere in the document alone, so the bf16 operand roundings differ:
-            # two independent errors of the size BF16_TOL bounds against the reference, 0.5% rms
-            # each for o, well within it.
-            _assert_close(o[row : row + 1, start : start + n], alone, BF16_TOL, f"row {row} at {start}")
+            # Chunks fall elsewhere in the document alone, so the bf16 operand roundings differ.
+            _assert_close(o[row : row + 1, start : start + n], alone, BF16_PAIR_TOL, f"row {row} at {start}")
             start += n
 
 
