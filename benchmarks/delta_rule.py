@@ -14,10 +14,10 @@ Each `--variant` also times ours with some settings replaced: the scans' value c
 per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`), and the warps
 of the chunk solve (`solve_warps`), of the W/U/Aqk tables (`table_warps`) and of the backward's
 per-chunk kernels (`backward_warps`).
-`--kernels` prints ours' forward+backward by GPU kernel. `--before PATH` also times another copy of
-the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then DIR/kernels/delta_rule;
-before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a change's before and
-after come from one call.
+`--kernels` prints ours' forward+backward by GPU kernel, and fla's where it imports. `--before PATH`
+also times another copy of the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then
+DIR/kernels/delta_rule; before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a
+change's before and after come from one call.
 """
 
 from __future__ import annotations
@@ -262,7 +262,9 @@ def main() -> None:
         default=[],
         help="also time ours with these settings, e.g. columns=64,warps=8,stages=1 (repeatable)",
     )
-    parser.add_argument("--kernels", action="store_true", help="also print ours' time by GPU kernel")
+    parser.add_argument(
+        "--kernels", action="store_true", help="also print ours' (and fla's) time by GPU kernel"
+    )
     parser.add_argument(
         "--before", help="also time this copy of the delta rule (folder or file), as 'before'"
     )
@@ -322,11 +324,15 @@ def main() -> None:
             rows[name] = row
             print_row(name, row, rows["ours"])
         if args.kernels:
-            times = kernel_times(ours(None), leaves)
-            print(f"  ours, forward+backward by kernel (ms): total {sum(times.values()):.3f}")
-            for name, ms in times.items():
-                print(f"    {ms:8.3f}  {name[:90]}")
-            rows["ours"]["kernels ms"] = times
+            profiled = {"ours": ours(None)}
+            if fla:
+                profiled[f"{fla_source} chunk_gated_delta_rule"] = fla_chunk(fla, None)
+            for name, fn in profiled.items():
+                times = kernel_times(fn, leaves)
+                print(f"  {name}, forward+backward by kernel (ms): total {sum(times.values()):.3f}")
+                for kernel, ms in times.items():
+                    print(f"    {ms:8.3f}  {kernel[:90]}")
+                rows[name]["kernels ms"] = times
         results.append({"batch": batch, "seq": seq, "implementations": rows})
     write_json(args.json, "benchmarks.delta_rule", {"before": args.before, "shapes": results})
 
