@@ -1,7 +1,7 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
 Usage: python -m benchmarks.delta_rule [--variant columns=64,warps=8,stages=1 ...] [--kernels]
-    [--before PATH] [--json FILE]
+    [--before PATH] [--ours-only] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -17,7 +17,8 @@ per-chunk kernels (`backward_warps`).
 `--kernels` prints ours' forward+backward by GPU kernel, and fla's where it imports. `--before PATH`
 also times another copy of the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then
 DIR/kernels/delta_rule; before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a
-change's before and after come from one call.
+change's before and after come from one call. `--ours-only` leaves out fla and transformers, whose
+import and autotuning take minutes on a fresh machine.
 """
 
 from __future__ import annotations
@@ -268,12 +269,13 @@ def main() -> None:
     parser.add_argument(
         "--before", help="also time this copy of the delta rule (folder or file), as 'before'"
     )
+    parser.add_argument("--ours-only", action="store_true", help="leave out fla and transformers")
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
     variants = {f"ours, {text}": variant(text) for text in args.variant}
-    fla, fla_source = fla_chunk_gated_delta_rule()
+    fla, fla_source = (None, "") if args.ours_only else fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []
     for batch, seq in SHAPES:
@@ -294,16 +296,14 @@ def main() -> None:
                 if before
                 else {}
             ),
-            **(
-                {
-                    f"{fla_source} chunk_gated_delta_rule": (fla_chunk(fla, None), {}),
-                    f"{fla_source}, packed {PACKED_LENGTH}": (fla_chunk(fla, cu_seqlens), {}),
-                }
-                if fla
-                else {"fla chunk_gated_delta_rule": (None, {})}
-            ),
-            "transformers torch_chunk_gated_delta_rule": (transformers_chunk(), {}),
         }
+        if not args.ours_only:
+            if fla:
+                implementations[f"{fla_source} chunk_gated_delta_rule"] = (fla_chunk(fla, None), {})
+                implementations[f"{fla_source}, packed {PACKED_LENGTH}"] = (fla_chunk(fla, cu_seqlens), {})
+            else:
+                implementations["fla chunk_gated_delta_rule"] = (None, {})
+            implementations["transformers torch_chunk_gated_delta_rule"] = (transformers_chunk(), {})
         print(f"\nB x T = {batch} x {seq}  (Hk={K_HEADS}, Hv={V_HEADS}, Dk={K_DIM}, Dv={V_DIM}, bf16)")
         print(
             f"{'implementation':45s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd vs ours':>12s} {'f+b vs ours':>12s}"

@@ -400,7 +400,7 @@ def test_each_chunks_solve_inverts_i_plus_a():
     A's entries stay within 1 (unit keys, beta < 1, decays <= 1) and T's within a few units, so
     T (I + A) sums 64 products of that size: fp32 puts it within 64 ulp of I, 1e-5."""
     from qlora_kernels._layout import document_index
-    from qlora_kernels.delta_rule.tables import _chunk_cumsum, _chunk_tables, _normalized
+    from qlora_kernels.delta_rule.tables import _chunk_cumsum, _chunk_solve, _normalized
 
     seq = 150
     doc_ids = _doc_ids([[7, 9, 21, 27, 64, 22], [16, 84, 28, 22]])
@@ -408,7 +408,7 @@ def test_each_chunks_solve_inverts_i_plus_a():
     docs = document_index(doc_ids)
     k = _normalized(k, 1.0, True, torch.float32)
     b = _chunk_cumsum(g, docs, False)
-    t = _chunk_tables(_normalized(q, 1.0, True, torch.float32), k, v, beta, b, docs)[0]
+    t = _chunk_solve(k, v, beta, b, docs)
     for row in range(2):
         for head in range(2):
             for start in range(0, seq, CHUNK):

@@ -1,5 +1,6 @@
-"""The public calls: the autograd Function (it saves only the inputs and recomputes the tables and
-states in backward) and the decode step, each falling back to the reference where triton cannot run."""
+"""The public calls: the autograd Function (it saves the inputs and each chunk's T, and recomputes
+the other tables and the states in backward) and the decode step, each falling back to the
+reference where triton cannot run."""
 
 import torch
 
@@ -11,7 +12,7 @@ from .common import CHUNK, _table_dtype
 from .reference import gated_delta_rule_reference, gated_delta_rule_step_reference
 from .scan import _scan_forward
 from .step import _step
-from .tables import _chunk_cumsum, _chunk_tables, _normalized, _normalized_backward
+from .tables import _chunk_cumsum, _chunk_solve, _chunk_tables, _normalized, _normalized_backward
 
 _MAX_HEAD_DIM = 256
 
@@ -42,11 +43,11 @@ def _prepare(q, k, v, g, docs, scale, normalize_qk):
     )
 
 
-def _chunk_forward(q, k, v, beta, b, docs, initial_state, output_final_state, store_states):
-    """The chunked forward on normalised q, k (in the tables' dtype) and the per-chunk cumulative
-    log-decay b; with store_states, backward's rerun: no output, and the tables and per-chunk states
-    that backward reads."""
-    t, w, u, aqk = _chunk_tables(q, k, v, beta, b, docs)
+def _chunk_forward(q, k, v, beta, b, docs, t, initial_state, output_final_state, store_states):
+    """The chunked forward on normalised q, k (in the tables' dtype), the per-chunk cumulative
+    log-decay b and the chunks' T; with store_states, backward's rerun: no output, and the tables
+    and per-chunk states that backward reads."""
+    w, u, aqk = _chunk_tables(q, k, v, beta, b, docs, t)
     o, final, states = _scan_forward(
         q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states
     )
@@ -85,8 +86,10 @@ def _continues(docs: torch.Tensor, start: int) -> torch.Tensor:
 
 
 class GatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves only the inputs and the state entering each span after a row's first: backward
-    recomputes the chunk tables and the per-chunk states, pass by pass (_passes), last span first.
+    """Saves the inputs, each chunk's T and the state entering each span after a row's first:
+    backward recomputes the other chunk tables and the per-chunk states, pass by pass (_passes),
+    last span first. T is the forward's slowest table and a quarter of the tables' bytes
+    (Hv x CHUNK values a token), so keeping it spares backward the triangular solve.
     The forward takes whole rows at once: its tables live only while it runs, beside no MLP slice,
     and a pass of fewer rows leaves SMs idle in the scan (1.38 against 0.80 ms at 4 x 2048 in two
     passes, H200)."""
@@ -99,24 +102,25 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         passes = _passes(v.shape[0], v.shape[1], tokens_per_pass)
         if all(len(spans) == 1 for _, spans in passes):
             q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
+            t = _chunk_solve(k_hat, v, beta, b, docs)
             o, final, _ = _chunk_forward(
-                q_hat, k_hat, v, beta, b, docs, initial_state, output_final_state, False
+                q_hat, k_hat, v, beta, b, docs, t, initial_state, output_final_state, False
             )
             carried = []
         else:
-            o, final, carried = _forward_in_passes(
+            o, final, t, carried = _forward_in_passes(
                 passes, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state
             )
-        ctx.save_for_backward(q, k, v, g, beta, docs, initial_state, *carried)
+        ctx.save_for_backward(q, k, v, g, beta, docs, t, initial_state, *carried)
         ctx.scale, ctx.normalize_qk, ctx.passes = scale, normalize_qk, passes
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, g, beta, docs, initial_state, *carried = ctx.saved_tensors
+        q, k, v, g, beta, docs, t, initial_state, *carried = ctx.saved_tensors
         if _single(ctx.passes):
             grads = _span_backward(
-                q, k, v, g, beta, docs, initial_state, do, dfinal, ctx.scale, ctx.normalize_qk
+                q, k, v, g, beta, docs, t, initial_state, do, dfinal, ctx.scale, ctx.normalize_qk
             )
             return *grads[:5], None, grads[5], None, None, None, None
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -135,6 +139,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                     g[part],
                     beta[part],
                     docs[part],
+                    t[part].contiguous(),
                     entering[i],
                     do[part],
                     dstate,
@@ -154,8 +159,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 def _forward_in_passes(
     passes, q, k, v, g, beta, docs, initial_state, scale, normalize_qk, output_final_state
 ):
-    """o, the final state and the states carried into each span after a row's first."""
+    """o, the final state, every chunk's T and the states carried into each span after a row's first."""
     o = torch.empty_like(v)
+    t = torch.empty(*v.shape[:3], CHUNK, dtype=_table_dtype(v), device=v.device)
     finals, carried = [], []
     for rows, spans in passes:
         state = None if initial_state is None else initial_state[rows]
@@ -165,19 +171,21 @@ def _forward_in_passes(
                 carried.append(state)
             part = (rows, span)
             q_hat, k_hat, b = _prepare(q[part], k[part], v[part], g[part], docs[part], scale, normalize_qk)
+            span_t = _chunk_solve(k_hat, v[part], beta[part], b, docs[part])
+            t[part] = span_t
             keep_final = output_final_state or i + 1 < len(spans)
             o[part], state, _ = _chunk_forward(
-                q_hat, k_hat, v[part], beta[part], b, docs[part], state, keep_final, False
+                q_hat, k_hat, v[part], beta[part], b, docs[part], span_t, state, keep_final, False
             )
         finals.append(state)
-    return o, torch.cat(finals) if output_final_state else None, carried
+    return o, torch.cat(finals) if output_final_state else None, t, carried
 
 
-def _span_backward(q, k, v, g, beta, docs, initial_state, do, dfinal, scale, normalize_qk):
-    """dq, dk, dv, dg, dbeta and d initial_state of one pass's span: its tables and per-chunk states
-    rerun, then the chunk-parallel gradients."""
+def _span_backward(q, k, v, g, beta, docs, t, initial_state, do, dfinal, scale, normalize_qk):
+    """dq, dk, dv, dg, dbeta and d initial_state of one pass's span: its tables but T (saved) and
+    its per-chunk states rerun, then the chunk-parallel gradients."""
     q_hat, k_hat, b = _prepare(q, k, v, g, docs, scale, normalize_qk)
-    _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, initial_state, False, True)
+    _, _, saved = _chunk_forward(q_hat, k_hat, v, beta, b, docs, t, initial_state, False, True)
     dq_hat, dk_hat, dv, dbeta, db, dh0 = _chunk_backward(
         q_hat, k_hat, v, beta, b, docs, initial_state, saved, do, dfinal
     )

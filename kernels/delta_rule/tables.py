@@ -479,19 +479,12 @@ _SOLVE_WARPS = 2
 _TABLE_WARPS = 4
 
 
-def _chunk_tables(q, k, v, beta, b, docs):
-    """(T, W, U, Aqk) for normalised q, k (in the tables' dtype) and the per-chunk cumulative
-    log-decay b: everything of a chunk that does not depend on the state entering it."""
-    batch, seq, k_heads, k_dim = q.shape
-    v_heads, v_dim = v.shape[2:]
-    group = v_heads // k_heads
-    n_chunks = triton.cdiv(seq, CHUNK)
-    device = v.device
-    block_k = _block(k_dim)
-    per_chunk = (n_chunks, batch, v_heads)
-    tables = _table_dtype(v)
-    t = torch.empty(batch, seq, v_heads, CHUNK, dtype=tables, device=device)
-    _chunk_solve_kernel[per_chunk](
+def _chunk_solve(k, v, beta, b, docs):
+    """T = (I + A)^-1 of every chunk and v-head, [B, T, Hv, CHUNK] in the tables' dtype."""
+    batch, seq, k_heads, k_dim = k.shape
+    v_heads = v.shape[2]
+    t = torch.empty(batch, seq, v_heads, CHUNK, dtype=_table_dtype(v), device=v.device)
+    _chunk_solve_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
         k,
         beta,
         b,
@@ -506,11 +499,26 @@ def _chunk_tables(q, k, v, beta, b, docs):
         beta.stride(2),
         docs.stride(0),
         docs.stride(1),
-        GROUP=group,
+        GROUP=v_heads // k_heads,
         CHUNK=CHUNK,
-        BLOCK_K=block_k,
+        BLOCK_K=_block(k_dim),
         num_warps=_SOLVE_WARPS,
     )
+    return t
+
+
+def _chunk_tables(q, k, v, beta, b, docs, t):
+    """(W, U, Aqk) for normalised q, k (in the tables' dtype), the per-chunk cumulative log-decay b
+    and the chunks' T (_chunk_solve): with T, everything of a chunk that does not depend on the
+    state entering it."""
+    batch, seq, k_heads, k_dim = q.shape
+    v_heads, v_dim = v.shape[2:]
+    group = v_heads // k_heads
+    n_chunks = triton.cdiv(seq, CHUNK)
+    device = v.device
+    block_k = _block(k_dim)
+    per_chunk = (n_chunks, batch, v_heads)
+    tables = _table_dtype(v)
     w = torch.empty(batch, seq, v_heads, k_dim, dtype=tables, device=device)
     u = torch.empty(batch, seq, v_heads, v_dim, dtype=torch.float32, device=device)
     aqk = torch.empty_like(t)
@@ -544,4 +552,4 @@ def _chunk_tables(q, k, v, beta, b, docs):
         BLOCK_V=_block(v_dim),
         num_warps=_TABLE_WARPS,
     )
-    return t, w, u, aqk
+    return w, u, aqk

@@ -61,8 +61,8 @@ def kept_activation_bytes(
     Without LoRA dropout the SwiGLU output is not kept: the down projection keeps only its
     rank-r LoRA input (kernels.swiglu). With dropout, every projection also keeps its dropped-out
     LoRA input, and down keeps the SwiGLU output (a MoE layer's shared expert's, whose width is its
-    spec's intermediate_size). A Gated DeltaNet layer's delta rule keeps only its inputs
-    (kernels/delta_rule recomputes its chunk tables in backward).
+    spec's intermediate_size). A Gated DeltaNet layer's delta rule keeps its inputs and its chunks'
+    T (kernels/delta_rule recomputes its other chunk tables in backward).
     """
     per_token = (
         3 * spec.hidden_size  # layer input, residual, normed input
