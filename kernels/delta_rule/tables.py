@@ -150,19 +150,33 @@ if TRITON_AVAILABLE:
         return tl.where(mask, _mma(k_i, tl.trans(k_j), dtype) * decay * beta_i[:, None], 0.0)
 
     @triton.jit
-    def _unit_lower_inverses(a0, a1, a2, a3):
-        """(I + a)^-1 for each of four strictly lower 16 x 16 tiles: x <- I - a x, fifteen times. Row i
-        is final once the rows above it are (a^16 = 0), with forward substitution's arithmetic, so no
-        power of a (whose entries can grow like binomials) is ever formed. The four chains step
-        together, so each step's four products are independent and overlap: fifteen dependent steps
-        in all, not sixty."""
-        eye = (tl.arange(0, 16)[:, None] == tl.arange(0, 16)[None, :]).to(tl.float32)
+    def _block_a_transposed(k, beta, b, doc, rows, dtype: tl.constexpr):
+        """A diagonal block's A^T: [j, i] = A[i, j] (see _block_a), for the substitution's columns."""
+        mask = (doc[:, None] == doc[None, :]) & (rows[None, :] > rows[:, None])
+        decay = tl.exp(tl.where(mask, b[None, :] - b[:, None], 0.0))
+        return tl.where(mask, _mma(k, tl.trans(k), dtype) * decay * beta[None, :], 0.0)
+
+    @triton.jit
+    def _substitution_row(a_t, x, rows, i):
+        """x with row i set to row i of (I + a)^-1, given a^T and the rows above i final:
+        e_i - sum_{j < i} a[i, j] x[j, :]."""
+        a_i = tl.sum(tl.where(rows[None, :] == i, a_t, 0.0), axis=1)
+        return tl.where(rows[:, None] == i, x - tl.sum(a_i[:, None] * x, axis=0)[None, :], x)
+
+    @triton.jit
+    def _unit_lower_inverses(a0_t, a1_t, a2_t, a3_t):
+        """(I + a)^-1 for each of four strictly lower 16 x 16 tiles, from their transposes, by forward
+        substitution, a row a step: 16 x 16 multiply-adds a row, where a product with the whole tile
+        would cost 16 times that. No power of a (whose entries can grow like binomials and cancel) is
+        ever formed. The four chains step together, so each step's four updates overlap."""
+        rows = tl.arange(0, 16)
+        eye = (rows[:, None] == rows[None, :]).to(tl.float32)
         x0, x1, x2, x3 = eye, eye, eye, eye
-        for _ in range(15):
-            x0 = eye - tl.dot(a0, x0, input_precision="ieee")
-            x1 = eye - tl.dot(a1, x1, input_precision="ieee")
-            x2 = eye - tl.dot(a2, x2, input_precision="ieee")
-            x3 = eye - tl.dot(a3, x3, input_precision="ieee")
+        for i in range(1, 16):
+            x0 = _substitution_row(a0_t, x0, rows, i)
+            x1 = _substitution_row(a1_t, x1, rows, i)
+            x2 = _substitution_row(a2_t, x2, rows, i)
+            x3 = _substitution_row(a3_t, x3, rows, i)
         return x0, x1, x2, x3
 
     @triton.jit
@@ -270,17 +284,17 @@ if TRITON_AVAILABLE:
             dot,
         )
         # Every A block before any inverse, so the key tiles are dead during the solve.
-        a00 = _block_a(k0, be0, b0, d0, r0, k0, b0, d0, r0, dot)
-        a11 = _block_a(k1, be1, b1, d1, r1, k1, b1, d1, r1, dot)
-        a22 = _block_a(k2, be2, b2, d2, r2, k2, b2, d2, r2, dot)
-        a33 = _block_a(k3, be3, b3, d3, r3, k3, b3, d3, r3, dot)
+        a00_t = _block_a_transposed(k0, be0, b0, d0, r0, dot)
+        a11_t = _block_a_transposed(k1, be1, b1, d1, r1, dot)
+        a22_t = _block_a_transposed(k2, be2, b2, d2, r2, dot)
+        a33_t = _block_a_transposed(k3, be3, b3, d3, r3, dot)
         a10 = _block_a(k1, be1, b1, d1, r1, k0, b0, d0, r0, dot)
         a20 = _block_a(k2, be2, b2, d2, r2, k0, b0, d0, r0, dot)
         a21 = _block_a(k2, be2, b2, d2, r2, k1, b1, d1, r1, dot)
         a30 = _block_a(k3, be3, b3, d3, r3, k0, b0, d0, r0, dot)
         a31 = _block_a(k3, be3, b3, d3, r3, k1, b1, d1, r1, dot)
         a32 = _block_a(k3, be3, b3, d3, r3, k2, b2, d2, r2, dot)
-        t00, t11, t22, t33 = _unit_lower_inverses(a00, a11, a22, a33)
+        t00, t11, t22, t33 = _unit_lower_inverses(a00_t, a11_t, a22_t, a33_t)
         t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
         t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
         t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision="ieee"), input_precision="ieee")
