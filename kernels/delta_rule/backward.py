@@ -142,6 +142,7 @@ if TRITON_AVAILABLE:
         db_ptr,
         dv_ptr,
         dbeta_ptr,
+        transposes_ptr,
         seq,
         k_heads,
         v_heads,
@@ -166,11 +167,15 @@ if TRITON_AVAILABLE:
         """Per chunk and v-head, back through what _chunk_wu_kernel and _chunk_solve_kernel built:
         the output's Aqk, U = T diag(beta) V, W = T diag(beta carry exp(b)) K, and T = (I + A)^-1
         (dA = -T^T (dU U^T + dW W^T) on A's strictly lower same-document support). dq, dk and db
-        arrive holding the scan's terms and leave complete. The transposed dqk^T and dA^T that dk
-        needs are recomputed from loaded tiles (see the NOTE on the Hopper miscompile)."""
+        arrive holding the scan's terms and leave complete. The transposed dqk^T and dM^T that dk
+        needs are stored to the program's two squares of transposes_ptr and loaded back transposed
+        (see the NOTE on the Hopper miscompile), not summed a second time in registers."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         start = tl.program_id(0) * CHUNK
+        transposes_ptr += ((batch * tl.num_programs(0) + tl.program_id(0)) * v_heads + head) * (
+            2 * CHUNK * CHUNK
+        )
         local = tl.arange(0, CHUNK)
         rows = start + local
         valid = rows < seq
@@ -195,12 +200,10 @@ if TRITON_AVAILABLE:
             other=0.0,
         )
         # The value side, over Dv in BLOCK_V columns: o += Aqk delta (Aqk = (Q K^T) * decay) and
-        # U = T (beta V) give [CHUNK, CHUNK] sums over Dv (dO delta^T and dU U^T, each also
-        # transposed), dv and dbeta's V term.
+        # U = T (beta V) give [CHUNK, CHUNK] sums over Dv (dO delta^T and dU U^T), dv and dbeta's
+        # V term.
         dqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-        dqk_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         dm = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-        dm_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         dbeta = tl.zeros([CHUNK], dtype=tl.float32)
         for v_start in range(0, v_dim, BLOCK_V):
             v_cols = v_start + tl.arange(0, BLOCK_V)
@@ -210,11 +213,9 @@ if TRITON_AVAILABLE:
             do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
             delta = tl.load(delta_ptr + v_offsets, mask=v_mask, other=0.0)
             dqk += _mma(do, tl.trans(delta), dot)
-            dqk_t += _mma(delta, tl.trans(do), dot)
             du = tl.load(ddelta_ptr + v_offsets, mask=v_mask, other=0.0)
             u = tl.load(u_ptr + v_offsets, mask=v_mask, other=0.0)
             dm += _mma(du, tl.trans(u), dot)
-            dm_t += _mma(u, tl.trans(du), dot)
             d_beta_v = _mma(tl.trans(t), du, dot)
             v_at = batch * v_stride_b + rows[:, None] * v_stride_t + head * v_stride_h + v_cols[None, :]
             v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
@@ -223,7 +224,6 @@ if TRITON_AVAILABLE:
         # The decays (and their transposes) are rebuilt where used, so that they hold no registers
         # across the loops.
         dqk *= _pair_decay(b, doc, local, valid, False)
-        dqk_t *= _pair_decay(b, doc, local, valid, True)
         # The key side, over Dk in BLOCK_K columns, twice: first the [CHUNK, CHUNK] sums over Dk
         # (Q K^T, K K^T and W's dW W^T into dM), then, with dA known, dq and dk column by column.
         # W = T diag(beta carry exp(b)) K, so T^T dW is the gradient of W's scaled keys.
@@ -240,8 +240,13 @@ if TRITON_AVAILABLE:
             dw = tl.load(dw_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
             w = tl.load(w_ptr + k_base + dims[None, :], mask=k_mask, other=0.0)
             dm += _mma(dw, tl.trans(w), dot)
-            dm_t += _mma(w, tl.trans(dw), dot)
             scale_terms += tl.sum(_mma(tl.trans(t), dw, dot) * k.to(tl.float32), axis=1)
+        # dqk and dM in the tables' dtype, which their products take them in, and back transposed.
+        square = local[:, None] * CHUNK + local[None, :]
+        tl.store(transposes_ptr + square, dqk.to(dot))
+        tl.store(transposes_ptr + CHUNK * CHUNK + square, dm.to(dot))
+        tl.debug_barrier()
+        square_t = local[None, :] * CHUNK + local[:, None]
         log_terms = dqk * qk
         db = tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
         scale_terms *= read_scale
@@ -254,11 +259,13 @@ if TRITON_AVAILABLE:
         dbeta += tl.sum(da * kk, axis=1)
         dkk = da * beta[:, None]
         decay_t = _pair_decay(b, doc, local, valid, True)
+        dm_t = tl.load(transposes_ptr + CHUNK * CHUNK + square_t)
         dkk_t = tl.where(local[:, None] < local[None, :], -_mma(dm_t, t, dot), 0.0) * decay_t * beta[None, :]
         log_terms = dkk * kk
         db += tl.sum(log_terms, axis=1) - tl.sum(log_terms, axis=0)
         db += tl.load(db_ptr + token_head, mask=valid, other=0.0)
         tl.store(db_ptr + token_head, db, mask=valid)
+        dqk_t = tl.load(transposes_ptr + square_t)
         for k_start in range(0, k_dim, BLOCK_K):
             dims = k_start + tl.arange(0, BLOCK_K)
             k_mask = valid[:, None] & (dims < k_dim)[None, :]
@@ -327,7 +334,9 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     )
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=device)
-    _chunk_bwd_intra_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
+    n_chunks = triton.cdiv(seq, CHUNK)
+    transposes = torch.empty(batch, n_chunks, v_heads, 2, CHUNK, CHUNK, dtype=t.dtype, device=device)
+    _chunk_bwd_intra_kernel[(n_chunks, batch, v_heads)](
         q,
         k,
         v,
@@ -346,6 +355,7 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         db,
         dv,
         dbeta,
+        transposes,
         seq,
         k_heads,
         v_heads,
