@@ -1,7 +1,7 @@
 """The gated delta rule (Qwen3.5 Gated DeltaNet) at 9B shapes: ours against flash-linear-attention and transformers.
 
 Usage: python -m benchmarks.delta_rule [--variant columns=64,warps=8,stages=1 ...] [--kernels]
-    [--before PATH] [--ours-only] [--json FILE]
+    [--before PATH] [--ours-only] [--shapes 4x2048,1x32768] [--json FILE]
 Forward and forward+backward median times (CUDA events, qlora_cli/profiler/timing.py) and the
 forward+backward's peak memory above its inputs, of kernels.delta_rule.gated_delta_rule, of fla's
 chunk_gated_delta_rule (the fla package where it imports, its backward refusing Hopper with triton <
@@ -18,7 +18,7 @@ per-chunk kernels (`backward_warps`).
 also times another copy of the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then
 DIR/kernels/delta_rule; before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a
 change's before and after come from one call. `--ours-only` leaves out fla and transformers, whose
-import and autotuning take minutes on a fresh machine.
+import and autotuning take minutes on a fresh machine; `--shapes` times only some of the shapes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ from qlora_kernels.delta_rule import backward, common, scan, tables
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 SHAPES = [(4, 2048), (1, 32768)]
 PACKED_LENGTH = 512
+
+
+def shapes(text: str) -> list[tuple[int, int]]:
+    """`4x2048,1x32768` as [(4, 2048), (1, 32768)]."""
+    try:
+        return [(int(b), int(t)) for b, t in (item.split("x") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give shapes as BxT, comma-separated") from None
 
 
 def inputs(batch: int, seq: int) -> list[torch.Tensor]:
@@ -270,6 +278,9 @@ def main() -> None:
         "--before", help="also time this copy of the delta rule (folder or file), as 'before'"
     )
     parser.add_argument("--ours-only", action="store_true", help="leave out fla and transformers")
+    parser.add_argument(
+        "--shapes", type=shapes, default=SHAPES, help="BxT, comma-separated (default: 4x2048,1x32768)"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -278,7 +289,7 @@ def main() -> None:
     fla, fla_source = (None, "") if args.ours_only else fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []
-    for batch, seq in SHAPES:
+    for batch, seq in args.shapes:
         leaves = inputs(batch, seq)
         doc_ids = (torch.arange(seq, device="cuda") // PACKED_LENGTH).expand(batch, seq)
         cu_seqlens = torch.arange(0, batch * seq + 1, PACKED_LENGTH, device="cuda")
