@@ -297,6 +297,49 @@ if TRITON_AVAILABLE:
             )
 
     @triton.jit
+    def _nf4_step_operand(
+        step,
+        code_ptr,
+        dynamic_map_ptr,
+        offset,
+        dtype: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
+        DOUBLE_QUANT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The [BLOCK_K, BLOCK_N] product operand in `dtype` from _nf4_step_loads' loads."""
+        packed, stored, nested, mask = step
+        if TRANSPOSED:
+            tile = whole_block_values(
+                packed,
+                stored,
+                nested,
+                mask,
+                code_ptr,
+                dynamic_map_ptr,
+                offset,
+                DOUBLE_QUANT,
+                BLOCK_K,
+                BLOCK_N,
+            )
+            return tile.to(dtype)
+        else:
+            tile = whole_block_values(
+                packed,
+                stored,
+                nested,
+                mask,
+                code_ptr,
+                dynamic_map_ptr,
+                offset,
+                DOUBLE_QUANT,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            return tl.trans(tile.to(dtype))
+
+    @triton.jit
     def _grouped_matmul_kernel(
         a_ptr,
         weight_ptr,
@@ -374,7 +417,7 @@ if TRITON_AVAILABLE:
             )
             for k_start in range(0, inner, BLOCK_K):
                 a = a_next
-                packed, stored, nested, mask = step_next
+                step = step_next
                 a_next = _a_tile(a_ptr, rows, row_mask, a_row_stride, k_start + BLOCK_K, inner, BLOCK_K)
                 step_next = _nf4_step_loads(
                     weight_ptr,
@@ -392,34 +435,20 @@ if TRITON_AVAILABLE:
                     BLOCK_N,
                     BLOCK_K,
                 )
-                if TRANSPOSED:
-                    w = whole_block_values(
-                        packed,
-                        stored,
-                        nested,
-                        mask,
+                acc += tl.dot(
+                    a,
+                    _nf4_step_operand(
+                        step,
                         code_ptr,
                         dynamic_map_ptr,
                         offset,
-                        DOUBLE_QUANT,
-                        BLOCK_K,
-                        BLOCK_N,
-                    )
-                    acc += tl.dot(a, w.to(a.dtype))
-                else:
-                    w = whole_block_values(
-                        packed,
-                        stored,
-                        nested,
-                        mask,
-                        code_ptr,
-                        dynamic_map_ptr,
-                        offset,
+                        a.dtype,
+                        TRANSPOSED,
                         DOUBLE_QUANT,
                         BLOCK_N,
                         BLOCK_K,
-                    )
-                    acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+                    ),
+                )
         else:
             for k_start in range(0, inner, BLOCK_K):
                 a = _a_tile(a_ptr, rows, row_mask, a_row_stride, k_start, inner, BLOCK_K)
