@@ -14,7 +14,7 @@ Each `--variant` also times ours with some settings replaced: the scans' value c
 per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages (`chunk_stages`), and the warps
 of the chunk solve (`solve_warps`), of the W/U/Aqk tables (`table_warps`) and of the backward's
 per-chunk kernels (`backward_warps`).
-`--kernels` prints ours' forward+backward by GPU kernel, and fla's where it imports. `--before PATH`
+`--kernels` prints ours' forward and forward+backward by GPU kernel, and fla's where it imports. `--before PATH`
 also times another copy of the delta rule (`git archive REV kernels/delta_rule | tar -x -C DIR`, then
 DIR/kernels/delta_rule; before the package, `git show REV:kernels/delta_rule.py > FILE`), so that a
 change's before and after come from one call. `--ours-only` leaves out fla and transformers, whose
@@ -192,20 +192,28 @@ def transformers_chunk() -> Callable | None:
     return call
 
 
-def kernel_times(fn: Callable, leaves: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
-    """Each GPU kernel's mean milliseconds in one forward+backward, from torch's profiler."""
+def kernel_times(
+    fn: Callable, leaves: list[torch.Tensor], backward: bool, repeats: int = 5
+) -> dict[str, float]:
+    """Each GPU kernel's mean milliseconds in one forward (under no_grad), or with `backward` one
+    forward+backward, from torch's profiler: the two apart tell a forward kernel's share from its
+    rerun in backward."""
     do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
 
-    def forward_backward():
-        for t in leaves:
-            t.grad = None
-        fn(*leaves).backward(do)
+    def run():
+        if backward:
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(do)
+        else:
+            with torch.no_grad():
+                fn(*leaves)
 
-    forward_backward()
+    run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         for _ in range(repeats):
-            forward_backward()
+            run()
         torch.cuda.synchronize()
     times = {}
     for event in profile.key_averages():
@@ -339,15 +347,16 @@ def main() -> None:
             if fla:
                 profiled[f"{fla_source} chunk_gated_delta_rule"] = fla_chunk(fla, None)
             for name, fn in profiled.items():
-                try:
-                    times = kernel_times(fn, leaves)
-                except Exception as error:  # noqa: BLE001 - another project's kernels: report, keep the rows
-                    print(f"  {name}, by kernel: not profiled: {type(error).__name__}: {error}")
-                    continue
-                print(f"  {name}, forward+backward by kernel (ms): total {sum(times.values()):.3f}")
-                for kernel, ms in times.items():
-                    print(f"    {ms:8.3f}  {kernel[:90]}")
-                rows[name]["kernels ms"] = times
+                for part, backward in (("forward", False), ("forward+backward", True)):
+                    try:
+                        times = kernel_times(fn, leaves, backward)
+                    except Exception as error:  # noqa: BLE001 - another project's kernels: report, keep the rows
+                        print(f"  {name}, {part} by kernel: not profiled: {type(error).__name__}: {error}")
+                        continue
+                    print(f"  {name}, {part} by kernel (ms): total {sum(times.values()):.3f}")
+                    for kernel, ms in times.items():
+                        print(f"    {ms:8.3f}  {kernel[:90]}")
+                    rows[name][f"{part} kernels ms"] = times
         results.append({"batch": batch, "seq": seq, "implementations": rows})
     write_json(args.json, "benchmarks.delta_rule", {"before": args.before, "shapes": results})
 
