@@ -1,6 +1,7 @@
 """The grouped NF4 GEMM over experts against the bf16 grouped GEMM, at mixture-of-experts shapes.
 
-Usage: python -m benchmarks.grouped_nf4 [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b] [--tokens 4096] [--json FILE]
+Usage: python -m benchmarks.grouped_nf4 [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b] [--tokens 4096]
+       [--before FILE] [--json FILE]
 
 For each shape's routed experts (NF4 with double quantization, bf16 activations), tokens routed to
 top-k experts drawn at random and sorted by expert, times (median, CUDA events) the gate/up and down
@@ -10,12 +11,17 @@ projections, forward (y = x W_e^T) and the backward's input gradient (dx = dy W_
   - torch's bf16 grouped GEMM (`torch._grouped_mm`) on the same weights dequantized once, the
     throughput the NF4 kernel is held to (the target is at least 70 % of it);
   - one bf16 matmul per expert, as the fixes that dequantize one expert at a time run.
-TFLOP/s counts 2 x rows x in x out per projection.
+TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times another copy of the
+kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
+copy, so that a change's before and after come from one call.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+from types import ModuleType
 
 import torch
 
@@ -53,7 +59,21 @@ def _per_expert(x: torch.Tensor, dense: torch.Tensor, bounds: list[int]):
     return run
 
 
-def time_projection(name: str, rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> dict:
+def load_before(path: str) -> ModuleType:
+    """An earlier copy of kernels/grouped_linear.py, imported beside ours under its own name."""
+    name = "qlora_kernels.grouped_linear_before"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise SystemExit(f"--before {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_projection(
+    name: str, rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, before: ModuleType | None
+) -> dict:
     """ms and TFLOP/s of each implementation for one projection, forward and input gradient."""
     grouped = quantize_grouped_nf4(weights)
     dense = dequantize_grouped_nf4(grouped)
@@ -75,6 +95,12 @@ def time_projection(name: str, rows: torch.Tensor, weights: torch.Tensor, offset
         "bf16 grouped GEMM, input gradient": _bf16_grouped(dy, dense, offsets),
         "bf16 per expert, forward": _per_expert(rows.detach(), dense, bounds),
     }
+    if before is not None:
+        before_grouped = before.quantize_grouped_nf4(weights)
+        before_forward = lambda: before.grouped_linear(x, before_grouped, offsets)  # noqa: E731
+        y_before = before_forward()
+        cases["before NF4, forward"] = before_forward
+        cases["before NF4, input gradient"] = lambda: torch.autograd.grad(y_before, x, dy, retain_graph=True)
     results = {}
     for case, fn in cases.items():
         try:
@@ -97,8 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--before", help="also time this copy of kernels/grouped_linear.py, as 'before'")
     add_json_option(parser)
     args = parser.parse_args()
+    before = load_before(args.before) if args.before else None
     generator = torch.Generator().manual_seed(0)
     results = {}
     for shape in args.shapes.split(","):
@@ -114,7 +142,7 @@ def main() -> None:
         for name, out_features, in_features in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
             weights = 0.02 * torch.randn(experts, out_features, in_features, generator=generator)
             x = torch.randn(rows, in_features, generator=generator).cuda().bfloat16()
-            results[shape][name] = time_projection(name, x, weights.cuda().bfloat16(), offsets)
+            results[shape][name] = time_projection(name, x, weights.cuda().bfloat16(), offsets, before)
     write_json(args.json, "benchmarks.grouped_nf4", results)
 
 
