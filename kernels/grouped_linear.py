@@ -29,7 +29,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from qlora_kernels.nf4 import nf4_tile, whole_block_loads, whole_block_values
+    from qlora_kernels.nf4 import nf4_tile
 
 
 @dataclass(frozen=True)
@@ -239,107 +239,6 @@ if TRITON_AVAILABLE:
         return tile.to(dtype)
 
     @triton.jit
-    def _a_tile(a_ptr, rows, row_mask, a_row_stride, k_start, inner, BLOCK_K: tl.constexpr):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        return tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * a_row_stride + ks[None, :],
-            mask=row_mask[:, None] & (ks < inner)[None, :],
-            other=0.0,
-        )
-
-    @triton.jit
-    def _nf4_step_loads(
-        weight_ptr,
-        absmax_ptr,
-        nested_ptr,
-        cols,
-        col_start,
-        k_start,
-        w_out,
-        w_in,
-        TRANSPOSED: tl.constexpr,
-        BLOCKSIZE: tl.constexpr,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """The loads of one inner step's NF4 tile of whole blocks: W's rows `cols` from column
-        k_start, or TRANSPOSED its rows from k_start at columns from col_start."""
-        if TRANSPOSED:
-            ks = k_start + tl.arange(0, BLOCK_K)
-            return whole_block_loads(
-                weight_ptr,
-                absmax_ptr,
-                nested_ptr,
-                ks,
-                col_start,
-                ks < w_out,
-                w_in,
-                BLOCKSIZE,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-                BLOCK_N,
-            )
-        else:
-            return whole_block_loads(
-                weight_ptr,
-                absmax_ptr,
-                nested_ptr,
-                cols,
-                k_start,
-                cols < w_out,
-                w_in,
-                BLOCKSIZE,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-                BLOCK_K,
-            )
-
-    @triton.jit
-    def _nf4_step_operand(
-        step,
-        code_ptr,
-        dynamic_map_ptr,
-        offset,
-        dtype: tl.constexpr,
-        TRANSPOSED: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """The [BLOCK_K, BLOCK_N] product operand in `dtype` from _nf4_step_loads' loads."""
-        packed, stored, nested, mask = step
-        if TRANSPOSED:
-            tile = whole_block_values(
-                packed,
-                stored,
-                nested,
-                mask,
-                code_ptr,
-                dynamic_map_ptr,
-                offset,
-                DOUBLE_QUANT,
-                BLOCK_K,
-                BLOCK_N,
-            )
-            return tile.to(dtype)
-        else:
-            tile = whole_block_values(
-                packed,
-                stored,
-                nested,
-                mask,
-                code_ptr,
-                dynamic_map_ptr,
-                offset,
-                DOUBLE_QUANT,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            return tl.trans(tile.to(dtype))
-
-    @triton.jit
     def _grouped_matmul_kernel(
         a_ptr,
         weight_ptr,
@@ -393,110 +292,57 @@ if TRITON_AVAILABLE:
         if QUANTIZED:
             offset = tl.load(offset_table_ptr + expert)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if QUANTIZED and WHOLE_BLOCKS:
-            # NF4 runs at one stage (_NF4_LAUNCH), where nothing overlaps a step's loads: each step
-            # issues the next step's loads (inputs, bytes, absmaxes) before it decodes its own
-            # tile, so only the code tables' lookups (L1 hits) stay between loads and the product.
-            col_start = tl.program_id(1) * BLOCK_N
-            a_next = _a_tile(a_ptr, rows, row_mask, a_row_stride, 0, inner, BLOCK_K)
-            step_next = _nf4_step_loads(
-                weight_ptr,
-                absmax_ptr,
-                nested_ptr,
-                cols,
-                col_start,
-                0,
-                w_out,
-                w_in,
-                TRANSPOSED,
-                BLOCKSIZE,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-                BLOCK_N,
-                BLOCK_K,
+        for k_start in range(0, inner, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                a_ptr + rows[:, None].to(tl.int64) * a_row_stride + ks[None, :],
+                mask=row_mask[:, None] & (ks < inner)[None, :],
+                other=0.0,
             )
-            for k_start in range(0, inner, BLOCK_K):
-                a = a_next
-                step = step_next
-                a_next = _a_tile(a_ptr, rows, row_mask, a_row_stride, k_start + BLOCK_K, inner, BLOCK_K)
-                step_next = _nf4_step_loads(
+            if TRANSPOSED:
+                w = _expert_tile(
                     weight_ptr,
                     absmax_ptr,
                     nested_ptr,
-                    cols,
-                    col_start,
-                    k_start + BLOCK_K,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    ks,
+                    tl.program_id(1) * BLOCK_N,
                     w_out,
                     w_in,
-                    TRANSPOSED,
+                    a.dtype,
+                    BLOCK_K,
+                    BLOCK_N,
+                    QUANTIZED,
                     BLOCKSIZE,
                     NESTED_BLOCKSIZE,
                     DOUBLE_QUANT,
+                    WHOLE_BLOCKS,
+                )
+                acc += tl.dot(a, w)
+            else:
+                w = _expert_tile(
+                    weight_ptr,
+                    absmax_ptr,
+                    nested_ptr,
+                    code_ptr,
+                    dynamic_map_ptr,
+                    offset,
+                    cols,
+                    k_start,
+                    w_out,
+                    w_in,
+                    a.dtype,
                     BLOCK_N,
                     BLOCK_K,
+                    QUANTIZED,
+                    BLOCKSIZE,
+                    NESTED_BLOCKSIZE,
+                    DOUBLE_QUANT,
+                    WHOLE_BLOCKS,
                 )
-                acc += tl.dot(
-                    a,
-                    _nf4_step_operand(
-                        step,
-                        code_ptr,
-                        dynamic_map_ptr,
-                        offset,
-                        a.dtype,
-                        TRANSPOSED,
-                        DOUBLE_QUANT,
-                        BLOCK_N,
-                        BLOCK_K,
-                    ),
-                )
-        else:
-            for k_start in range(0, inner, BLOCK_K):
-                a = _a_tile(a_ptr, rows, row_mask, a_row_stride, k_start, inner, BLOCK_K)
-                ks = k_start + tl.arange(0, BLOCK_K)
-                if TRANSPOSED:
-                    w = _expert_tile(
-                        weight_ptr,
-                        absmax_ptr,
-                        nested_ptr,
-                        code_ptr,
-                        dynamic_map_ptr,
-                        offset,
-                        ks,
-                        tl.program_id(1) * BLOCK_N,
-                        w_out,
-                        w_in,
-                        a.dtype,
-                        BLOCK_K,
-                        BLOCK_N,
-                        QUANTIZED,
-                        BLOCKSIZE,
-                        NESTED_BLOCKSIZE,
-                        DOUBLE_QUANT,
-                        WHOLE_BLOCKS,
-                    )
-                    acc += tl.dot(a, w)
-                else:
-                    w = _expert_tile(
-                        weight_ptr,
-                        absmax_ptr,
-                        nested_ptr,
-                        code_ptr,
-                        dynamic_map_ptr,
-                        offset,
-                        cols,
-                        k_start,
-                        w_out,
-                        w_in,
-                        a.dtype,
-                        BLOCK_N,
-                        BLOCK_K,
-                        QUANTIZED,
-                        BLOCKSIZE,
-                        NESTED_BLOCKSIZE,
-                        DOUBLE_QUANT,
-                        WHOLE_BLOCKS,
-                    )
-                    acc += tl.dot(a, tl.trans(w))
+                acc += tl.dot(a, tl.trans(w))
         mask = row_mask[:, None] & (cols < out_cols)[None, :]
         out_at = out_ptr + rows[:, None].to(tl.int64) * out_cols + cols[None, :]
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)

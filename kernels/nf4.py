@@ -303,33 +303,6 @@ if TRITON_AVAILABLE:
         return tl.load(dynamic_map_ptr + absmax_code.to(tl.int32)) * nested + offset
 
     @triton.jit
-    def load_absmax_parts(
-        absmax_ptr,
-        nested_absmax_ptr,
-        blocks,
-        mask,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-    ):
-        """What memory holds of each block's absmax in `blocks`: its code and nested absmax when
-        double-quantized, else the absmax itself (twice). absmax_from_parts finishes it."""
-        if DOUBLE_QUANT:
-            absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0)
-            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-            return absmax_code, nested
-        else:
-            absmax = tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
-            return absmax, absmax
-
-    @triton.jit
-    def absmax_from_parts(stored, nested, dynamic_map_ptr, offset, DOUBLE_QUANT: tl.constexpr):
-        """fp32 absmaxes from load_absmax_parts' loads: rebuilt when double-quantized, else as stored."""
-        if DOUBLE_QUANT:
-            return decode_nested_absmax(stored, nested, dynamic_map_ptr, offset)
-        else:
-            return stored
-
-    @triton.jit
     def load_block_absmax(
         absmax_ptr,
         nested_absmax_ptr,
@@ -341,11 +314,13 @@ if TRITON_AVAILABLE:
         DOUBLE_QUANT: tl.constexpr,
     ):
         """fp32 absmax of each block index in `blocks` (any shape): rebuilt when double-quantized,
-        else as stored. Every NF4 kernel reads absmaxes through here or its two parts."""
-        stored, nested = load_absmax_parts(
-            absmax_ptr, nested_absmax_ptr, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
-        )
-        return absmax_from_parts(stored, nested, dynamic_map_ptr, offset, DOUBLE_QUANT)
+        else as stored. Every NF4 kernel reads absmaxes through here."""
+        if DOUBLE_QUANT:
+            absmax_code = tl.load(absmax_ptr + blocks, mask=mask, other=0)
+            nested = tl.load(nested_absmax_ptr + blocks // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+            return decode_nested_absmax(absmax_code, nested, dynamic_map_ptr, offset)
+        else:
+            return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
 
     @triton.jit
     def decode_nf4_bytes(packed, absmax, code_ptr):
@@ -363,49 +338,6 @@ if TRITON_AVAILABLE:
         blocks = rows[:, None] * (K // BLOCKSIZE) + k_start // BLOCKSIZE + block_in_tile[None, :]
         mask = row_mask[:, None] & (k_start + block_in_tile * BLOCKSIZE < k_end)[None, :]
         return blocks, mask
-
-    @triton.jit
-    def whole_block_loads(
-        packed_ptr,
-        absmax_ptr,
-        nested_ptr,
-        rows,
-        k_start,
-        row_mask,
-        K,
-        BLOCKSIZE: tl.constexpr,
-        NESTED_BLOCKSIZE: tl.constexpr,
-        DOUBLE_QUANT: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """Everything an ALIGNED tile reads (nf4_tile): its bytes [rows, blocks, bytes of a block],
-        its blocks' absmax parts and which blocks lie in the matrix. Apart from whole_block_values
-        so that a loop can issue the next tile's loads before it decodes this one's."""
-        blocks, mask = tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
-        stored, nested = load_absmax_parts(
-            absmax_ptr, nested_ptr, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
-        )
-        byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
-        packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0)
-        return packed, stored, nested, mask
-
-    @triton.jit
-    def whole_block_values(
-        packed,
-        stored,
-        nested,
-        mask,
-        code_ptr,
-        dynamic_map_ptr,
-        offset,
-        DOUBLE_QUANT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """fp32 weights [BLOCK_N, BLOCK_K] from whole_block_loads' loads: only the code tables are read."""
-        absmax = absmax_from_parts(stored, nested, dynamic_map_ptr, offset, DOUBLE_QUANT)
-        values = decode_nf4_bytes(packed.to(tl.int32), absmax[:, :, None], code_ptr)
-        return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
 
     @triton.jit
     def nf4_tile(
@@ -433,31 +365,14 @@ if TRITON_AVAILABLE:
         its own byte, nibble and block from its flat index (any K, odd ones included).
         """
         if ALIGNED:
-            packed, stored, nested, mask = whole_block_loads(
-                packed_ptr,
-                absmax_ptr,
-                nested_ptr,
-                rows,
-                k_start,
-                row_mask,
-                K,
-                BLOCKSIZE,
-                NESTED_BLOCKSIZE,
-                DOUBLE_QUANT,
-                BLOCK_K,
+            blocks, mask = tile_blocks(rows, k_start, row_mask, K, K, BLOCKSIZE, BLOCK_K)
+            absmax = load_block_absmax(
+                absmax_ptr, nested_ptr, dynamic_map_ptr, offset, blocks, mask, NESTED_BLOCKSIZE, DOUBLE_QUANT
             )
-            return whole_block_values(
-                packed,
-                stored,
-                nested,
-                mask,
-                code_ptr,
-                dynamic_map_ptr,
-                offset,
-                DOUBLE_QUANT,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
+            packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
+            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr)
+            return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
         else:
             ks = k_start + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < K)[None, :]
