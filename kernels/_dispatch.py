@@ -1,4 +1,4 @@
-"""Which implementation a public kernel function runs."""
+"""Which implementation a public kernel function runs, and the machine it launches on."""
 
 import functools
 import os
@@ -62,3 +62,11 @@ def _warn_cuda_runs_references() -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """Launch sizes scale with the SM count; the interpreter gets a small GPU's worth."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -29,11 +29,10 @@ There is no autograd Function: decoding is inference only, nothing flows back th
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors, use_triton
 from qlora_kernels.formats import FrozenWeight, frozen_format
 from qlora_kernels.nf4 import NF4Weight, _tables
 
@@ -299,14 +298,6 @@ def default_config() -> MatvecConfig:
     return MatvecConfig(block_n=32, block_k=256, k_tiles_per_program=8)
 
 
-@cache
-def _multiprocessors(device: torch.device) -> int:
-    """Programs to aim for scale with the SM count; the interpreter gets a small GPU's worth."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # Split partial sums (fp32, written and read back once) may cost at most half the bytes of the
 # NF4 codes: splits * N * 8 <= N * K / 4.
 _PARTIAL_K = 32
@@ -324,7 +315,7 @@ def _split_k(config: MatvecConfig, weights: Sequence[FrozenWeight], device) -> t
     else:
         n_tiles = triton.cdiv(min(w.shape[0] for w in weights), config.block_n)
         wanted = max(
-            triton.cdiv(config.programs_per_sm * _multiprocessors(device), n_tiles),
+            triton.cdiv(config.programs_per_sm * multiprocessors(device), n_tiles),
             triton.cdiv(k_tiles, config.k_tiles_per_program),
         )
         wanted = min(wanted, max(1, k // _PARTIAL_K))

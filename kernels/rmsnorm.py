@@ -9,7 +9,7 @@ zero-centred norm scales by (1 + w) (w initialised to 0); the kernels take that 
 import torch
 import torch.nn.functional as F
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, use_triton
+from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors, use_triton
 from qlora_kernels._layout import as_rows
 
 if TRITON_AVAILABLE:
@@ -260,9 +260,7 @@ def _rms_norm_forward(
 
 
 def _backward_programs(n_rows: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(n_rows, 4)
+    return min(n_rows, 4 * multiprocessors(device))
 
 
 def _rms_norm_backward(
