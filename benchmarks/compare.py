@@ -2,7 +2,8 @@
 
 Usage: python -m benchmarks.compare CHECKPOINT|random:SHAPE[:LAYERS] [--batch 4] [--seq 2048] [--steps 5] [--warmup 2]
        [--runners qlora,qlora-eager,qlora-fp8,hf,liger,unsloth] [--checkpointing true|false|auto] [--budget-gb 60]
-       [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--packed 512] [--json FILE]
+       [--offload auto|true|false] [--memory-cap-gb 80] [--lora-dropout 0.05] [--packed 512] [--kernels 25]
+       [--json FILE]
 
 Each runner trains LoRA r=16 on every decoder linear but a MoE's routed experts (each prints how many weights
 it trains) of the same checkpoint (benchmarks/random_checkpoint.py writes one of any shape in
@@ -22,7 +23,8 @@ GPU memory (torch.cuda.set_per_process_memory_fraction), to show what trains ins
 resets in the delta rule, as `sample_packing` trains); the other runners take no document ids and
 run the same rows as one document each.
 Each step is timed on its own (CUDA events, qlora_cli/profiler/timing.py); tokens/s comes from the
-median step, and --json keeps the fastest step too.
+median step, and --json keeps the fastest step too. `--kernels N` profiles one more step of each runner
+and prints its N longest GPU kernels, summed by name: where each runner's step goes, in the same call.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 import torch
 
 from benchmarks.bnb import load_nf4_model
+from benchmarks.kernel_table import kernel_lines, kernel_ms
 from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import random_tensors
 from benchmarks.shapes import model_config
@@ -252,13 +255,15 @@ def _train_transformers_model(model, args, start: float) -> dict:
 
 
 def _timed(step, args) -> dict:
-    """The peak covers the warm-up too: a CUDA graph takes its memory when it is captured there."""
+    """The peak covers the warm-up too: a CUDA graph takes its memory when it is captured there.
+    With --kernels one more step is profiled after the timed ones, outside the timing."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses = []
     timing = measure(lambda: losses.append(step()), args.device, repeats=args.steps, warmup=args.warmup)
     seconds = timing.median_ms / 1e3
-    return {
+    kernels = {"kernels_ms": kernel_ms(step, repeats=1)} if args.kernels and args.device == "cuda" else {}
+    return kernels | {
         "step_s": seconds,
         "step_ms_min": timing.min_ms,
         "tokens_per_s": args.batch * args.seq / seconds,
@@ -310,6 +315,13 @@ def main() -> None:
         default=0,
         help="qlora runners' rows packed with documents of this many tokens (the others' stay one document)",
     )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print each runner's N longest GPU kernels in one more step (torch's profiler)",
+    )
     parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args()
@@ -360,6 +372,10 @@ def main() -> None:
         )
         if "estimated_peak_gib" in r:
             print(f"{'':<20}planner's estimate of the peak: {r['estimated_peak_gib']:.2f} GiB")
+    for name, r in results.items():
+        if r.get("kernels_ms"):
+            print(f"{LABELS[name]}, one step")
+            print("\n".join(kernel_lines(r["kernels_ms"], top=args.kernels)))
     print("JSON " + json.dumps(results))
     write_json(args.json, "benchmarks.compare", results, args.device)
 

@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 
 import qlora_kernels.delta_rule as delta_rule_module
+from benchmarks.kernel_table import kernel_lines, kernel_ms
 from benchmarks.output import add_json_option, write_json
 from qlora_cli.profiler.timing import measure
 from qlora_kernels.delta_rule import backward, common, scan, tables
@@ -196,8 +197,7 @@ def kernel_times(
     fn: Callable, leaves: list[torch.Tensor], backward: bool, repeats: int = 5
 ) -> dict[str, float]:
     """Each GPU kernel's mean milliseconds in one forward (under no_grad), or with `backward` one
-    forward+backward, from torch's profiler: the two apart tell a forward kernel's share from its
-    rerun in backward."""
+    forward+backward: the two apart tell a forward kernel's share from its rerun in backward."""
     do = torch.randn(leaves[2].shape, device="cuda").bfloat16()
 
     def run():
@@ -209,17 +209,7 @@ def kernel_times(
             with torch.no_grad():
                 fn(*leaves)
 
-    run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(repeats):
-            run()
-        torch.cuda.synchronize()
-    times = {}
-    for event in profile.key_averages():
-        if event.device_time_total > 0:
-            times[event.key] = event.device_time_total / repeats / 1000
-    return dict(sorted(times.items(), key=lambda item: -item[1]))
+    return kernel_ms(run, repeats)
 
 
 def time_one(fn: Callable, leaves: list[torch.Tensor]) -> dict:
@@ -353,9 +343,8 @@ def main() -> None:
                     except Exception as error:  # noqa: BLE001 - another project's kernels: report, keep the rows
                         print(f"  {name}, {part} by kernel: not profiled: {type(error).__name__}: {error}")
                         continue
-                    print(f"  {name}, {part} by kernel (ms): total {sum(times.values()):.3f}")
-                    for kernel, ms in times.items():
-                        print(f"    {ms:8.3f}  {kernel[:90]}")
+                    print(f"  {name}, {part}")
+                    print("\n".join(kernel_lines(times, top=len(times), indent="    ")))
                     rows[name][f"{part} kernels ms"] = times
         results.append({"batch": batch, "seq": seq, "implementations": rows})
     write_json(args.json, "benchmarks.delta_rule", {"before": args.before, "shapes": results})

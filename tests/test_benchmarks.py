@@ -262,3 +262,14 @@ def test_grouped_nf4_routing_gives_each_token_top_k_distinct_experts():
     counts = offsets.diff()
     assert offsets[0] == 0 and offsets[-1] == 400 and offsets.shape == (17,)
     assert (counts >= 0).all() and counts.max() <= 100
+
+
+def test_kernel_lines_show_the_longest_kernels_and_sum_the_rest():
+    from benchmarks.kernel_table import kernel_lines
+
+    lines = kernel_lines({"gemm": 6.0, "scan": 3.0, "norm": 0.6, "copy": 0.4}, top=2)
+    assert lines[0].endswith("total 10.000")
+    assert lines[1].split() == ["6.000", "60.0%", "gemm"]
+    assert lines[2].split() == ["3.000", "30.0%", "scan"]
+    assert lines[3].split() == ["1.000", "10.0%", "2", "other", "kernels"]
+    assert len(kernel_lines({"gemm": 6.0}, top=2)) == 2
