@@ -24,7 +24,6 @@ import and autotuning take minutes on a fresh machine; `--shapes` times only som
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import torch
 import qlora_kernels.delta_rule as delta_rule_module
 from benchmarks.kernel_table import kernel_lines, kernel_ms
 from benchmarks.output import add_json_option, write_json
+from benchmarks.variants import patched, variant
 from qlora_cli.profiler.timing import measure
 from qlora_kernels.delta_rule import backward, common, scan, tables
 
@@ -96,19 +96,6 @@ def load_before(path: str) -> ModuleType:
     return module
 
 
-@contextlib.contextmanager
-def patched(overrides: dict):
-    """Our modules with some settings replaced while timing: {(module, name): value}, {} as shipped."""
-    defaults = {key: getattr(*key) for key in overrides}
-    for (module, name), value in overrides.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for (module, name), value in defaults.items():
-            setattr(module, name, value)
-
-
 def value_columns(columns: int) -> dict:
     """The scans with `columns` value columns per program."""
     return {(scan, "_block_v"): lambda v_dim: min(columns, common._block(v_dim))}
@@ -124,19 +111,6 @@ VARIANT_KEYS = {
     "table_warps": lambda warps: {(tables, "_TABLE_WARPS"): warps},
     "backward_warps": lambda warps: {(backward, "_WARPS"): warps},
 }
-
-
-def variant(text: str) -> dict:
-    """`columns=64,warps=8,stages=1` as the module settings it replaces."""
-    overrides = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key not in VARIANT_KEYS or not value.isdigit():
-            raise SystemExit(
-                f"--variant {text!r}: each item is KEY=N with KEY one of {', '.join(VARIANT_KEYS)}"
-            )
-        overrides |= VARIANT_KEYS[key](int(value))
-    return overrides
 
 
 def fla_chunk_gated_delta_rule() -> tuple[Callable | None, str]:
@@ -283,7 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.delta_rule needs a CUDA device")
-    variants = {f"ours, {text}": variant(text) for text in args.variant}
+    variants = {f"ours, {text}": variant(text, VARIANT_KEYS) for text in args.variant}
     fla, fla_source = (None, "") if args.ours_only else fla_chunk_gated_delta_rule()
     before = load_before(args.before) if args.before else None
     results = []

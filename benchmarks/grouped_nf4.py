@@ -1,7 +1,7 @@
 """The grouped NF4 GEMM over experts against the bf16 grouped GEMM, at mixture-of-experts shapes.
 
 Usage: python -m benchmarks.grouped_nf4 [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b] [--tokens 4096]
-       [--before FILE] [--json FILE]
+       [--before FILE] [--variant rows=128,warps=8 ...] [--json FILE]
 
 For each shape's routed experts (NF4 with double quantization, bf16 activations), tokens routed to
 top-k experts drawn at random and sorted by expert, times (median, CUDA events) the gate/up and down
@@ -13,7 +13,10 @@ projections, forward (y = x W_e^T) and the backward's input gradient (dx = dy W_
   - one bf16 matmul per expert, as the fixes that dequantize one expert at a time run.
 TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times another copy of the
 kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
-copy, so that a change's before and after come from one call.
+copy, so that a change's before and after come from one call. Each `--variant` also times our NF4
+kernel with launch settings replaced: rows of one expert a program (`rows`), output columns (`cols`),
+inner step (`inner`), `warps` and `stages` (kernels/grouped_linear.py's _BLOCK_M, _BLOCK_N, _BLOCK_K,
+_NF4_WARPS, _NF4_STAGES; NF4 tiles stay whole quantization blocks wide).
 """
 
 from __future__ import annotations
@@ -26,13 +29,24 @@ from types import ModuleType
 import torch
 
 from benchmarks.output import add_json_option, write_json
+from benchmarks.variants import patched, variant
 from qlora_cli.profiler.timing import measure
+from qlora_kernels import grouped_linear as grouped_module
 from qlora_kernels.grouped_linear import dequantize_grouped_nf4, grouped_linear, quantize_grouped_nf4
 
 # Routed experts of each model: (experts, top-k, hidden size, expert intermediate size).
 SHAPES = {
     "qwen3.5-35b-a3b": (256, 8, 2048, 512),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+
+
+VARIANT_KEYS = {
+    "rows": lambda rows: {(grouped_module, "_BLOCK_M"): rows},
+    "cols": lambda cols: {(grouped_module, "_BLOCK_N"): cols},
+    "inner": lambda inner: {(grouped_module, "_BLOCK_K"): inner},
+    "warps": lambda warps: {(grouped_module, "_NF4_WARPS"): warps},
+    "stages": lambda stages: {(grouped_module, "_NF4_STAGES"): stages},
 }
 
 
@@ -71,8 +85,21 @@ def load_before(path: str) -> ModuleType:
     return module
 
 
+def _patched_call(fn, overrides: dict):
+    def run():
+        with patched(overrides):
+            return fn()
+
+    return run
+
+
 def time_projection(
-    name: str, rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, before: ModuleType | None
+    name: str,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    offsets: torch.Tensor,
+    before: ModuleType | None,
+    variants: dict[str, dict],
 ) -> dict:
     """ms and TFLOP/s of each implementation for one projection, forward and input gradient."""
     grouped = quantize_grouped_nf4(weights)
@@ -95,6 +122,13 @@ def time_projection(
         "bf16 grouped GEMM, input gradient": _bf16_grouped(dy, dense, offsets),
         "bf16 per expert, forward": _per_expert(rows.detach(), dense, bounds),
     }
+    for text, overrides in variants.items():
+        run = _patched_call(forward, overrides)
+        y_variant = run()
+        cases[f"ours NF4 {text}, forward"] = run
+        cases[f"ours NF4 {text}, input gradient"] = _patched_call(
+            lambda y=y_variant: torch.autograd.grad(y, x, dy, retain_graph=True), overrides
+        )
     if before is not None:
         before_grouped = before.quantize_grouped_nf4(weights)
         before_forward = lambda: before.grouped_linear(x, before_grouped, offsets)  # noqa: E731
@@ -106,10 +140,10 @@ def time_projection(
         try:
             ms = measure(fn, "cuda", repeats=20, warmup=3).median_ms
         except (RuntimeError, AttributeError) as error:
-            print(f"  {name:8} {case:36} not run: {str(error).splitlines()[0]}")
+            print(f"  {name:8} {case:44} not run: {str(error).splitlines()[0]}")
             continue
         results[case] = {"ms": ms, "tflops": flops / ms / 1e9}
-        print(f"  {name:8} {case:36} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
+        print(f"  {name:8} {case:44} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
     for side in ("forward", "input gradient"):
         ours, bf16 = results.get(f"ours NF4, {side}"), results.get(f"bf16 grouped GEMM, {side}")
         if ours and bf16:
@@ -124,9 +158,16 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--before", help="also time this copy of kernels/grouped_linear.py, as 'before'")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help=f"also time our NF4 kernel with these settings, e.g. rows=128,warps=8 (keys: {', '.join(VARIANT_KEYS)})",
+    )
     add_json_option(parser)
     args = parser.parse_args()
     before = load_before(args.before) if args.before else None
+    variants = {text: variant(text, VARIANT_KEYS) for text in args.variant}
     generator = torch.Generator().manual_seed(0)
     results = {}
     for shape in args.shapes.split(","):
@@ -142,7 +183,9 @@ def main() -> None:
         for name, out_features, in_features in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
             weights = 0.02 * torch.randn(experts, out_features, in_features, generator=generator)
             x = torch.randn(rows, in_features, generator=generator).cuda().bfloat16()
-            results[shape][name] = time_projection(name, x, weights.cuda().bfloat16(), offsets, before)
+            results[shape][name] = time_projection(
+                name, x, weights.cuda().bfloat16(), offsets, before, variants
+            )
     write_json(args.json, "benchmarks.grouped_nf4", results)
 
 

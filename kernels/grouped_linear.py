@@ -361,8 +361,8 @@ _BLOCK_K = 64
 # a second stage makes Triton copy every code-table lookup into shared memory asynchronously, one
 # value at a time: on the H200 (benchmarks.grouped_nf4, Qwen3.5-35B-A3B's gate/up, 2026-12-03) one
 # stage at 4 warps took the forward from 13.17 to 1.11 ms and the input gradient from 13.32 to 1.28.
-_PLAIN_LAUNCH = (8, 2)
-_NF4_LAUNCH = (4, 1)
+_PLAIN_WARPS, _PLAIN_STAGES = 8, 2
+_NF4_WARPS, _NF4_STAGES = 4, 1
 
 
 def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor, transposed: bool):
@@ -395,7 +395,7 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         weight = weight.contiguous()
         tensors, offset_table = (weight, weight, weight), weight
         blocksize, nested_blocksize, whole_blocks = BLOCKSIZE, NESTED_BLOCKSIZE, False
-    warps, stages = _NF4_LAUNCH if quantized else _PLAIN_LAUNCH
+    warps, stages = (_NF4_WARPS, _NF4_STAGES) if quantized else (_PLAIN_WARPS, _PLAIN_STAGES)
     tiles = (expert_offsets[1:] - expert_offsets[:-1] + _BLOCK_M - 1) // _BLOCK_M
     tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
