@@ -104,7 +104,7 @@ def value_columns(columns: int) -> dict:
 VARIANT_KEYS = {
     "columns": value_columns,
     "warps": lambda warps: {(scan, "_SCAN_WARPS"): warps},
-    "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages, (scan, "_ONE_WAVE_SCAN_STAGES"): stages},
+    "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages},
     "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
     "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},
     "solve_warps": lambda warps: {(tables, "_SOLVE_WARPS"): warps},

@@ -3,7 +3,7 @@ state, with the output formed on the way; and the same in reverse for the state'
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors
+from qlora_kernels._dispatch import TRITON_AVAILABLE
 
 from .common import CHUNK, _block
 
@@ -205,13 +205,10 @@ if TRITON_AVAILABLE:
             tl.store(dh0_ptr + (batch * v_heads + head) * state_size + state_offsets, ds, mask=state_mask)
 
 
-# The scans' loops prefetch the next chunks' tables while one computes. Where the programs fill one
-# wave (a long row: one program per SM, nothing else there to hide a chunk's loads) three stages
-# took 1 x 32768 from 12.30 to 11.18 ms forward + backward on the H200; where a second program
-# shares the SM, two stages leave it the room (4 x 2048: 2.66 ms, against 2.84 at three).
+# The scans' loops: two stages prefetch the next chunk's tables while this one computes; three (the
+# default) double the buffers past Hopper's 227 KiB of shared memory per block.
 # benchmarks.kernel_resources shows what each setting costs, benchmarks.delta_rule what it gains.
 _SCAN_STAGES = 2
-_ONE_WAVE_SCAN_STAGES = 3
 _SCAN_WARPS = 4
 
 
@@ -219,15 +216,6 @@ def _block_v(v_dim: int) -> int:
     """The scans run one program per (Dv block, batch, v-head); 32 columns keep the fp32 state slice
     [Dk, 32] in registers and give B*Hv*Dv/32 programs (256 at 9B's B=2) to fill the GPU."""
     return min(32, _block(v_dim))
-
-
-def _scan_grid(batch: int, v_heads: int, v_dim: int) -> tuple[int, int, int]:
-    return (triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)
-
-
-def _scan_stages(grid: tuple[int, int, int], device: torch.device) -> int:
-    programs = grid[0] * grid[1] * grid[2]
-    return _ONE_WAVE_SCAN_STAGES if programs <= multiprocessors(device) else _SCAN_STAGES
 
 
 def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states):
@@ -250,8 +238,7 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
         else o
     )
     delta = torch.empty(u.shape, dtype=tables, device=device) if store_states else o
-    grid = _scan_grid(batch, v_heads, v_dim)
-    _chunk_scan_fwd_kernel[grid](
+    _chunk_scan_fwd_kernel[(triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)](
         q,
         k,
         w,
@@ -280,7 +267,7 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
         STORE_STATES=store_states,
         STORE_OUTPUT=not store_states,
         num_warps=_SCAN_WARPS,
-        num_stages=_scan_stages(grid, device),
+        num_stages=_SCAN_STAGES,
     )
     return o, final if output_final_state else None, (h, delta) if store_states else None
 
@@ -293,8 +280,7 @@ def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
     ddelta = torch.empty(batch, seq, v_heads, v_dim, dtype=w.dtype, device=device)
     dh = torch.empty_like(h)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else ddelta
-    grid = _scan_grid(batch, v_heads, v_dim)
-    _chunk_scan_bwd_kernel[grid](
+    _chunk_scan_bwd_kernel[(triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)](
         q,
         k,
         w,
@@ -323,6 +309,6 @@ def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
         num_warps=_SCAN_WARPS,
-        num_stages=_scan_stages(grid, device),
+        num_stages=_SCAN_STAGES,
     )
     return ddelta, dh, dh0 if initial_state is not None else None
