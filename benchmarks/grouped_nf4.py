@@ -15,7 +15,7 @@ TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times an
 kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
 copy, so that a change's before and after come from one call. Each `--variant` also times our NF4
 kernel with launch settings replaced: rows of one expert a program (`rows`), output columns (`cols`),
-inner step (`inner`), `warps` and `stages` (kernels/grouped_linear.py's _BLOCK_M, _BLOCK_N, _BLOCK_K,
+inner step (`inner`), `warps` and `stages` (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
 _NF4_WARPS, _NF4_STAGES; NF4 tiles stay whole quantization blocks wide).
 """
 
@@ -42,7 +42,7 @@ SHAPES = {
 
 
 VARIANT_KEYS = {
-    "rows": lambda rows: {(grouped_module, "_BLOCK_M"): rows},
+    "rows": lambda rows: {(grouped_module, "_NF4_ROWS"): rows},
     "cols": lambda cols: {(grouped_module, "_BLOCK_N"): cols},
     "inner": lambda inner: {(grouped_module, "_BLOCK_K"): inner},
     "warps": lambda warps: {(grouped_module, "_NF4_WARPS"): warps},

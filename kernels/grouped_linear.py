@@ -352,17 +352,20 @@ if TRITON_AVAILABLE:
 # Launcher
 # ---------------------------------------------------------------------------------------------
 
-# Rows a program takes of one expert, and its output columns and inner step: with rows of whole
-# quantization blocks, the inner step and the backward's output columns are whole blocks too.
-_BLOCK_M = 64
+# A program's output columns and inner step: with rows of whole quantization blocks, the inner step
+# and the backward's output columns are whole blocks too.
 _BLOCK_N = 128
 _BLOCK_K = 64
-# (warps, stages) for plain and NF4 experts. Plain tiles stream in through two stages at 8 warps. With NF4
-# a second stage makes Triton copy every code-table lookup into shared memory asynchronously, one
-# value at a time: on the H200 (benchmarks.grouped_nf4, Qwen3.5-35B-A3B's gate/up, 2026-12-03) one
-# stage at 4 warps took the forward from 13.17 to 1.11 ms and the input gradient from 13.32 to 1.28.
-_PLAIN_WARPS, _PLAIN_STAGES = 8, 2
-_NF4_WARPS, _NF4_STAGES = 4, 1
+# (rows of one expert a program takes, warps, stages) for plain and NF4 experts. Plain tiles stream
+# in through two stages at 8 warps. With NF4 a second stage makes Triton copy every code-table lookup
+# into shared memory asynchronously, one value at a time: on the H200 (benchmarks.grouped_nf4,
+# Qwen3.5-35B-A3B's gate/up, 2026-12-03) one stage at 4 warps took the forward from 13.17 to 1.11 ms
+# and the input gradient from 13.32 to 1.28. An NF4 tile is decoded once for every program that
+# multiplies it, so 128 rows a program decode half as often as 64: 1.122 -> 1.009 ms (gate/up
+# forward) and 0.628 -> 0.584 (down) at 35B-A3B, 1.495 -> 1.274 and 0.869 -> 0.711 at 30B-A3B
+# (2026-12-04); 8 warps or wider or deeper tiles lost beside it.
+_PLAIN_ROWS, _PLAIN_WARPS, _PLAIN_STAGES = 64, 8, 2
+_NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 1
 
 
 def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor, transposed: bool):
@@ -395,13 +398,15 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         weight = weight.contiguous()
         tensors, offset_table = (weight, weight, weight), weight
         blocksize, nested_blocksize, whole_blocks = BLOCKSIZE, NESTED_BLOCKSIZE, False
-    warps, stages = (_NF4_WARPS, _NF4_STAGES) if quantized else (_PLAIN_WARPS, _PLAIN_STAGES)
-    tiles = (expert_offsets[1:] - expert_offsets[:-1] + _BLOCK_M - 1) // _BLOCK_M
+    block_m, warps, stages = (
+        (_NF4_ROWS, _NF4_WARPS, _NF4_STAGES) if quantized else (_PLAIN_ROWS, _PLAIN_WARPS, _PLAIN_STAGES)
+    )
+    tiles = (expert_offsets[1:] - expert_offsets[:-1] + block_m - 1) // block_m
     tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
     out = torch.zeros(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
     code, _, dynamic_map = _tables(a.device)
-    grid = (triton.cdiv(a.shape[0], _BLOCK_M) + experts, triton.cdiv(out_cols, block_n))
+    grid = (triton.cdiv(a.shape[0], block_m) + experts, triton.cdiv(out_cols, block_n))
     _grouped_matmul_kernel[grid](
         a,
         *tensors,
@@ -421,7 +426,7 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         TRANSPOSED=transposed,
         QUANTIZED=quantized,
         BLOCK_E=triton.next_power_of_2(experts),
-        BLOCK_M=_BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCKSIZE=blocksize,

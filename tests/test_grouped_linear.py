@@ -69,7 +69,8 @@ def test_an_expert_of_another_layout_is_refused():
         GroupedNF4Weight.from_experts([quantize_nf4(torch.randn(8, 64)), quantize_nf4(torch.randn(16, 64))])
 
 
-# Rows per expert: uneven counts across a 64-row tile's edge, empty experts first, between and last.
+# Rows per expert: uneven counts across the edges of a program's rows (64 plain, 128 NF4), empty experts
+# first, between and last.
 ROUTINGS = [[5, 70, 0, 3], [0, 0, 131, 1], [64, 64, 0, 0], [1, 0, 0, 0]]
 # (frozen form, out, in): NF4 rows of whole 64-value blocks (two tiles of the inner step), NF4 rows of
 # partial blocks (a block straddles rows: 136 x 40 values), NF4 without double quantization, plain.
