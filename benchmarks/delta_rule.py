@@ -74,9 +74,11 @@ def model_tokens_per_pass(tokens: int) -> int:
     """The bound Qwen3.5-9B's Gated DeltaNet layers put on a pass at this many tokens."""
     from benchmarks.shapes import model_config
     from qlora_cli.model.mixers.gated_deltanet import delta_rule_tokens_per_pass
+    from qlora_cli.model.mlps import DenseMLP
     from qlora_cli.sources.model_config import spec_from_config
 
-    return delta_rule_tokens_per_pass(spec_from_config(model_config("qwen3.5-9b")), tokens)
+    spec = spec_from_config(model_config("qwen3.5-9b"))
+    return delta_rule_tokens_per_pass(spec, tokens, DenseMLP.backward_working_bytes)
 
 
 def load_before(path: str) -> ModuleType:

@@ -109,6 +109,24 @@ def test_hybrid_estimate_is_within_five_percent_of_the_measured_peaks():
         assert abs(estimate / measured - 1) < 0.05, (name, tokens, estimate, measured)
 
 
+def test_the_delta_rules_passes_fill_what_the_mlps_backward_holds():
+    """The delta rule's tables are built in passes as large as the layer's MLP holds in its backward,
+    dense or a mixture of experts, whose routed copies hold far more than its 512-wide dense size."""
+    from benchmarks.shapes import model_config
+    from qlora_cli.model.mixers.gated_deltanet import delta_rule_backward_bytes, delta_rule_tokens_per_pass
+    from qlora_cli.model.mlps import MLPS
+    from qlora_cli.sources.model_config import spec_from_config
+
+    for name, tokens in (("qwen3.5-9b", 4 * 2048), ("qwen3.5-27b", 32768), ("qwen3.5-35b-a3b", 4096)):
+        spec = spec_from_config(model_config(name))
+        (mlp_kind,) = set(spec.mlp_types)
+        per_pass = delta_rule_tokens_per_pass(spec, tokens, MLPS[mlp_kind].backward_working_bytes)
+        budget = MLPS[mlp_kind].backward_working_bytes(spec, tokens)
+        assert delta_rule_backward_bytes(spec, per_pass) <= budget, name
+        assert delta_rule_backward_bytes(spec, per_pass + 1) > budget, name
+    assert per_pass >= tokens, "the mixture of experts' 4096-token row passes at once"
+
+
 def test_offloading_frees_each_recomputed_layers_input():
 
     kept_inputs = estimated_peak_bytes(QWEN25_7B, SHAPE, 28)

@@ -23,7 +23,7 @@ class ScaledProjection(nn.Module):
     groups = {"o": ("o_proj",)}
     checkpoint_module = "self_attn"
 
-    def __init__(self, spec, trainable_norms, attention_backend):
+    def __init__(self, spec, trainable_norms, attention_backend, mlp_backward_bytes):
         super().__init__()
         self.scale = nn.Parameter(torch.full((spec.hidden_size,), 0.5))
 

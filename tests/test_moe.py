@@ -32,7 +32,7 @@ from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.from_config import lora_config
-from qlora_cli.model.mlps import MoEMLP, moe
+from qlora_cli.model.mlps import DenseMLP, MoEMLP, moe
 from qlora_cli.rundir.adapter import adapter_state_dict, load_adapter_state, trainable_tensors
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.sources.model_config import read_spec, spec_from_config
@@ -307,6 +307,29 @@ def test_recomputed_layers_give_the_kept_layers_gradients(tmp_path, monkeypatch)
     assert any(".mlp.experts." in name for name in grads[0])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_the_delta_rules_passes_are_sized_by_the_layers_mixture_of_experts(tmp_path, monkeypatch):
+    """A hybrid layer builds its delta-rule tables in passes that fit in what its own MLP holds in
+    backward: here the routed experts' copies, far more than a dense MLP of the config's size."""
+    from qlora_cli.model.mixers import gated_deltanet
+
+    folder = write_qwen3_5_moe(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
+    model = QLoRAModel.from_pretrained(folder, quantize=False, lora=LoRAConfig(r=4), seed=1)
+    passes, delta_rule = [], gated_deltanet.gated_delta_rule
+
+    def recorded(*args, tokens_per_pass, **kwargs):
+        passes.append(tokens_per_pass)
+        return delta_rule(*args, tokens_per_pass=tokens_per_pass, **kwargs)
+
+    monkeypatch.setattr(gated_deltanet, "gated_delta_rule", recorded)
+    tokens = 512
+    ids = _ids(model.spec.vocab_size, (1, tokens))
+    model.loss(ids, ids)
+    expected = gated_deltanet.delta_rule_tokens_per_pass(model.spec, tokens, MoEMLP.backward_working_bytes)
+    dense = gated_deltanet.delta_rule_tokens_per_pass(model.spec, tokens, DenseMLP.backward_working_bytes)
+    assert passes == [expected]
+    assert expected > dense, (expected, dense)
 
 
 def _peft_twin(ours: QLoRAModel, folder):

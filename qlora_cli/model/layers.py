@@ -133,7 +133,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(h), requires_grad=trainable)
         # Registered before the projections: parameters() lists the mixer's norms right after the
         # layer's own, the order the optimizer's saved state has.
-        self.mixer = MIXERS[self.kind](spec, trainable, attention_backend)
+        mlp_backward_bytes = MLPS[self.mlp_kind].backward_working_bytes
+        self.mixer = MIXERS[self.kind](spec, trainable, attention_backend, mlp_backward_bytes)
         self.mlp = MLPS[self.mlp_kind](spec, lora)
         shapes = spec.projection_shapes(self.kind, self.mlp_kind)
         groups = {

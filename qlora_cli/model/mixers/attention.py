@@ -10,6 +10,7 @@ this kind: its projection groups, its trained norms, its share of the memory pla
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -59,7 +60,13 @@ class Attention(nn.Module):
     # The norms an adapter may list in modules_to_save.
     norm_modules = ("q_norm", "k_norm")
 
-    def __init__(self, spec: ModelSpec, trainable_norms: bool, attention_backend: str):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        trainable_norms: bool,
+        attention_backend: str,
+        mlp_backward_bytes: Callable[[ModelSpec, int], int],
+    ):
         super().__init__()
         self.spec = spec
         self.attention_backend = attention_backend
@@ -156,7 +163,9 @@ class Attention(nn.Module):
         return spec.q_size
 
     @staticmethod
-    def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
+    def backward_working_bytes(
+        spec: ModelSpec, tokens: int, mlp_backward_bytes: Callable[[ModelSpec, int], int]
+    ) -> int:
         """What its backward holds beyond the activations the planner counts for every layer (none)."""
         return 0
 

@@ -10,6 +10,8 @@ kind: its projection groups, its trained norm, its share of the memory plan and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,6 @@ from qlora_cli.core.ops import Op
 from qlora_cli.core.profiling import timed
 from qlora_cli.model.modes import DecodeRows, PrefillRows, Projections
 from qlora_cli.model.sizes import BF16, FP32
-from qlora_cli.model.sliced_mlp import slice_working_bytes
 from qlora_cli.sources.spec import LINEAR_ATTENTION, ModelSpec
 from qlora_kernels.conv1d import causal_conv1d, causal_conv1d_step
 from qlora_kernels.delta_rule import CHUNK, gated_delta_rule, gated_delta_rule_step
@@ -53,12 +54,16 @@ def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
     return int(tokens * per_token)
 
 
-def delta_rule_tokens_per_pass(spec: ModelSpec, tokens: int) -> int:
+def delta_rule_tokens_per_pass(
+    spec: ModelSpec, tokens: int, mlp_backward_bytes: Callable[[ModelSpec, int], int]
+) -> int:
     """The most tokens whose delta-rule tables the layer's backward builds at once: as many as fit in
-    what the MLP's slice holds, since the two run one after the other in the layer's backward. Whole
-    rows, or spans of a long row, pass one after another (kernels/delta_rule)."""
+    what the layer's MLP holds in its backward (`mlp_backward_bytes`, its kind's
+    backward_working_bytes: a dense MLP's slice, a mixture of experts' routed copies), since the two
+    run one after the other. Whole rows, or spans of a long row, pass one after another
+    (kernels/delta_rule)."""
     per_token = delta_rule_backward_bytes(spec, CHUNK) / CHUNK
-    return max(CHUNK, int(slice_working_bytes(tokens, spec.intermediate_size) // per_token))
+    return max(CHUNK, int(mlp_backward_bytes(spec, tokens) // per_token))
 
 
 class GatedDeltaNet(nn.Module):
@@ -70,9 +75,16 @@ class GatedDeltaNet(nn.Module):
     checkpoint_module = "linear_attn"
     norm_modules = ("linear_attn.norm",)
 
-    def __init__(self, spec: ModelSpec, trainable_norms: bool, attention_backend: str):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        trainable_norms: bool,
+        attention_backend: str,
+        mlp_backward_bytes: Callable[[ModelSpec, int], int],
+    ):
         super().__init__()
         self.spec = spec
+        self.mlp_backward_bytes = mlp_backward_bytes
         linear = spec.linear_attention
         self.register_buffer("conv_weight", torch.zeros(linear.conv_dim, linear.conv_kernel))
         self.register_buffer("A_log", torch.zeros(linear.num_value_heads))
@@ -121,7 +133,7 @@ class GatedDeltaNet(nn.Module):
                 beta,
                 doc_ids,
                 output_final_state=cache is not None,
-                tokens_per_pass=delta_rule_tokens_per_pass(self.spec, b * s),
+                tokens_per_pass=delta_rule_tokens_per_pass(self.spec, b * s, self.mlp_backward_bytes),
             )
             if cache is not None:
                 cache.keep_states(conv_input, final_state)
@@ -181,9 +193,12 @@ class GatedDeltaNet(nn.Module):
         return spec.linear_attention.value_dim
 
     @staticmethod
-    def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
+    def backward_working_bytes(
+        spec: ModelSpec, tokens: int, mlp_backward_bytes: Callable[[ModelSpec, int], int]
+    ) -> int:
         """The delta rule's tables for one pass, which its backward holds beside what every layer keeps."""
-        return delta_rule_backward_bytes(spec, min(tokens, delta_rule_tokens_per_pass(spec, tokens)))
+        per_pass = delta_rule_tokens_per_pass(spec, tokens, mlp_backward_bytes)
+        return delta_rule_backward_bytes(spec, min(tokens, per_pass))
 
     def new_cache(self, batch: int, capacity: int, device, dtype) -> RecurrentStates:
         return RecurrentStates(self.spec, batch, device, dtype)
