@@ -205,8 +205,11 @@ if TRITON_AVAILABLE:
             tl.store(dh0_ptr + (batch * v_heads + head) * state_size + state_offsets, ds, mask=state_mask)
 
 
-# The scans' loops: two stages prefetch the next chunk's tables while this one computes; three (the
-# default) double the buffers past Hopper's 227 KiB of shared memory per block.
+# The scans' loops: two stages prefetch the next chunk's tables while this one computes. Three were
+# 1.10x faster at one 32K row on the H200 but are wrong there: with triton 3.6 the forward scan's
+# output store then reaches past the block's shared memory (compute-sanitizer: "out-of-range shared
+# address" at the o store, in the per-document calls of test_gpu_packed_row_equals_documents_one_by_one,
+# then an illegal memory access), whether for every launch or only where the programs fit one wave.
 # benchmarks.kernel_resources shows what each setting costs, benchmarks.delta_rule what it gains.
 _SCAN_STAGES = 2
 _SCAN_WARPS = 4
