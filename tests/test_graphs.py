@@ -229,3 +229,26 @@ def test_a_padded_batch_draws_the_short_ones_dropout_masks(tmp_path, monkeypatch
     # The added rows contribute only zero terms; the sums over tokens just run in another order.
     for a, b in zip(short_grads, padded_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_running_out_of_memory_mid_capture_is_reported_as_such():
+    """An allocation that fails while work forked to a side stream is still open (an offloaded layer's
+    copy in flight) leaves the capture unjoined; the error raised is the out-of-memory one, not the
+    capture's own "unjoined work" that would otherwise replace it. Last in the file: the capture fails."""
+    side, weight = torch.cuda.Stream(CUDA), torch.ones(4, device=CUDA, requires_grad=True)
+
+    def loss_fn(values, labels):
+        side.wait_stream(torch.cuda.current_stream(CUDA))
+        with torch.cuda.stream(side):
+            torch.ones(4, device=CUDA).mul_(2)
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return (weight * values).sum(), labels
+
+    graphed = GraphedLoss(loss_fn, CUDA, vocab_size=8)
+    inputs = [torch.ones(4, device=CUDA), torch.zeros(4, dtype=torch.long, device=CUDA)]
+    graphed(inputs, 1, 1.0)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        graphed(inputs, 1, 1.0)

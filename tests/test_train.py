@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -670,6 +671,55 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     ):
         train(load_config(path))
     assert latest_checkpoint(tmp_path / "run" / "out") is not None
+
+
+@pytest.mark.parametrize("checkpointing", ["auto", False])
+def test_a_plan_over_the_memory_budget_is_a_note_saying_what_to_change(tmp_path, checkpointing):
+    """Every layer recomputed and still over: only a smaller micro-batch helps; none recomputed: that first."""
+    folder = tmp_path / "run"
+    config = load_config(write_run(folder, memory_budget_gb=0.001, gradient_checkpointing=checkpointing))
+    layers = json.loads((folder / "model" / "config.json").read_text())["num_hidden_layers"]
+    advice = "lower micro_batch_size or sequence_len"
+    if checkpointing is False:
+        advice = f"set gradient_checkpointing: true (0 of {layers} layers recompute), or {advice}"
+    notes = [note for note in build_run(config).notes if note.startswith("memory:")]
+    pattern = r"memory: the planner puts this run's peak at ([\d.e-]+) GiB, over memory_budget_gb 0.001; "
+    match = re.fullmatch(pattern + re.escape(f"it may run out of GPU memory: {advice}"), notes[0])
+    assert len(notes) == 1 and match, notes
+    assert float(match.group(1)) > 0.001
+    roomy = load_config(
+        write_run(tmp_path / "roomy", memory_budget_gb=1000, gradient_checkpointing=checkpointing)
+    )
+    assert not any(note.startswith("memory:") for note in build_run(roomy).notes)
+
+
+def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, run_cli):
+    """An allocation that fails in step 3's forward, raised where the GPU's allocator raises it (inside
+    a layer), ends the run in one line saying what to change, with exit code 1 and checkpoint 2 kept."""
+    path = write_run(tmp_path / "run", max_steps=6, save_steps=2)
+    layers = json.loads((tmp_path / "run" / "model" / "config.json").read_text())["num_hidden_layers"]
+    calls = 0
+
+    def allocation_fails(module, args):
+        nonlocal calls
+        calls += type(module).__name__ == "DecoderLayer"
+        if calls == 2 * layers + 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(allocation_fails)
+    try:
+        code, out, err = run_cli("train", path)
+    finally:
+        hook.remove()
+    assert code == 1
+    assert "Traceback" not in out + err
+    lines = [line for line in (out + err).splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: out of GPU memory in step 3 (2 x 128 tokens a micro-batch): set gradient_checkpointing: "
+        f"true (0 of {layers} layers recompute now), or lower micro_batch_size or sequence_len; the run "
+        f"stopped; last good checkpoint: {tmp_path / 'run' / 'out' / 'checkpoint-2'}"
+    ]
+    assert latest_checkpoint(tmp_path / "run" / "out") == tmp_path / "run" / "out" / "checkpoint-2"
 
 
 def _cli(*args, env_extra=None):

@@ -40,6 +40,13 @@ class WriteFailed(QLoraError):
     exit_code = 1
 
 
+class OutOfMemory(QLoraError):
+    """A step needed more GPU memory than there is: the message gives the shape, the memory and what to
+    change. Nothing the run wrote is lost, and the exit code is 1, as for any other failed run."""
+
+    exit_code = 1
+
+
 class RunAborted(BaseException):
     """A signal that ends a command at once: before a run's first step, the third Ctrl-C, or any
     signal outside training. The message says what was kept.

@@ -121,7 +121,15 @@ class GraphedLoss:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            loss_sum, _ = self.loss_fn(*self.inputs)
-            (loss_sum * self.scale).backward()
-            self.loss_sum = loss_sum.detach()
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                loss_sum, _ = self.loss_fn(*self.inputs)
+                (loss_sum * self.scale).backward()
+                self.loss_sum = loss_sum.detach()
+        except RuntimeError as err:
+            # Running out of memory mid-capture leaves side-stream work unjoined, and ending the capture
+            # then fails with "capturing stream has unjoined work": the error that says what happened
+            # is the one it interrupted.
+            if isinstance(err.__context__, torch.OutOfMemoryError):
+                raise err.__context__ from None
+            raise

@@ -25,7 +25,7 @@ from rich.markup import escape
 from qlora_cli.config.loading import apply_override, config_from_dict, config_to_dict, parse_override
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.console import OutputConsole
-from qlora_cli.core.errors import QLoraError, RunInterrupted, TrainingStopped, WriteFailed
+from qlora_cli.core.errors import OutOfMemory, QLoraError, RunInterrupted, TrainingStopped, WriteFailed
 from qlora_cli.core.files import describe, replace_file
 from qlora_cli.core.wording import count
 from qlora_cli.data.examples import reads_local_files
@@ -522,16 +522,36 @@ def _agreed_signal(run: Run, signals: StopSignals) -> int:
 
 def _run_step(run: Run, step: int, watchdog: LossWatchdog, last_checkpoint: Path | None) -> StepOutcome:
     """Forward, backward and update of optimizer step `step`. A non-finite loss, or one the watchdog
-    finds too high for too long, stops the run before the update."""
-    loss_sum, trained, inputs, aux_sum = train_step(run, step)
-    loss_sum, inputs, all_aux = run.dist.sum(loss_sum, inputs, aux_sum or 0.0)
+    finds too high for too long, stops the run before the update; so does running out of GPU memory."""
     kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
-    if not math.isfinite(loss_sum):
-        raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
-    if watchdog.too_high(loss_sum / max(1, trained)):
-        raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
-    grad_norm = optimizer_step(run, step)
+    try:
+        loss_sum, trained, inputs, aux_sum = train_step(run, step)
+        loss_sum, inputs, all_aux = run.dist.sum(loss_sum, inputs, aux_sum or 0.0)
+        if not math.isfinite(loss_sum):
+            raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+        if watchdog.too_high(loss_sum / max(1, trained)):
+            raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
+        grad_norm = optimizer_step(run, step)
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(_out_of_memory(run, step) + f"; the run stopped{kept}") from None
     return StepOutcome(loss_sum, trained, int(inputs), grad_norm, None if aux_sum is None else all_aux)
+
+
+def _out_of_memory(run: Run, step: int) -> str:
+    """What ran out, at what shape, and what to change: recompute every layer first, if some keep
+    their activations, then a smaller micro-batch."""
+    config, layers = run.config, run.model.spec.num_layers
+    shape = f"{config.micro_batch_size} x {config.sequence_len} tokens a micro-batch"
+    if run.device.type == "cuda":
+        total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
+        shape += f", {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f} GiB in use of {total:.1f}"
+    advice = "lower micro_batch_size or sequence_len"
+    recomputed = run.model.checkpoint_layers
+    if recomputed < layers:
+        advice = (
+            f"set gradient_checkpointing: true ({recomputed} of {layers} layers recompute now), or {advice}"
+        )
+    return f"out of GPU memory in step {step + 1} ({shape}): {advice}"
 
 
 def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:

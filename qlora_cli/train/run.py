@@ -20,7 +20,7 @@ from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_i
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.model.layers import shape_problem
-from qlora_cli.model.planner import RunShape, layers_to_checkpoint, offloads_activations
+from qlora_cli.model.planner import RunShape, estimated_peak_bytes, layers_to_checkpoint, offloads_activations
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.base_model import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
@@ -260,7 +260,33 @@ def _plan_memory(
     if offload and not checkpointed:
         notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
         offload = False
+    if note := _over_memory_note(spec, shape, checkpointed, offload, device):
+        notes.append(note)
     return MemoryPlan(checkpointed, offload)
+
+
+def _over_memory_note(
+    spec: ModelSpec, shape: RunShape, checkpointed: int, offload: bool, device: torch.device
+) -> str | None:
+    """Where the planner's peak is over the budget, or without one over the GPU's memory: said before the
+    weights load, with what to change, though the estimate may be a few percent off either way."""
+    if shape.budget_gb is not None:
+        limit, what = shape.budget_gb * 2**30, f"memory_budget_gb {shape.budget_gb:g}"
+    elif device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).total_memory
+        what = f"the GPU's {limit / 2**30:.1f} GiB"
+    else:
+        return None
+    estimate = estimated_peak_bytes(spec, shape, checkpointed, offload=offload)
+    if estimate <= limit:
+        return None
+    advice = "lower micro_batch_size or sequence_len"
+    if checkpointed < spec.num_layers:
+        advice = f"set gradient_checkpointing: true ({checkpointed} of {spec.num_layers} layers recompute), or {advice}"
+    return (
+        f"memory: the planner puts this run's peak at {estimate / 2**30:.3g} GiB, over {what}; it may run "
+        f"out of GPU memory: {advice}"
+    )
 
 
 def _setup_model(
