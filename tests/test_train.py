@@ -716,7 +716,7 @@ def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp
     lines = [line for line in (out + err).splitlines() if line.startswith("error:")]
     assert lines == [
         "error: out of GPU memory in step 3 (2 x 128 tokens a micro-batch): set gradient_checkpointing: "
-        f"true (0 of {layers} layers recompute now), or lower micro_batch_size or sequence_len; the run "
+        f"true (0 of {layers} layers recompute), or lower micro_batch_size or sequence_len; the run "
         f"stopped; last good checkpoint: {tmp_path / 'run' / 'out' / 'checkpoint-2'}"
     ]
     assert latest_checkpoint(tmp_path / "run" / "out") == tmp_path / "run" / "out" / "checkpoint-2"

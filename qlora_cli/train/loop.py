@@ -39,7 +39,7 @@ from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.spec import MOE_MLP
 from qlora_cli.train.distributed import Distributed, check_world_size, distributed
 from qlora_cli.train.progress import MetricsLog, RunOutput, StepProgress, logged_records, memory_gib
-from qlora_cli.train.run import Run, build_run
+from qlora_cli.train.run import Run, build_run, memory_advice
 from qlora_cli.train.schedule import learning_rate, schedule_change
 from qlora_cli.train.signals import StopSignals
 from qlora_cli.train.step import evaluate, optimizer_step, train_step
@@ -538,19 +538,13 @@ def _run_step(run: Run, step: int, watchdog: LossWatchdog, last_checkpoint: Path
 
 
 def _out_of_memory(run: Run, step: int) -> str:
-    """What ran out, at what shape, and what to change: recompute every layer first, if some keep
-    their activations, then a smaller micro-batch."""
-    config, layers = run.config, run.model.spec.num_layers
+    """What ran out, at what shape, and what to change."""
+    config = run.config
     shape = f"{config.micro_batch_size} x {config.sequence_len} tokens a micro-batch"
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
         shape += f", {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f} GiB in use of {total:.1f}"
-    advice = "lower micro_batch_size or sequence_len"
-    recomputed = run.model.checkpoint_layers
-    if recomputed < layers:
-        advice = (
-            f"set gradient_checkpointing: true ({recomputed} of {layers} layers recompute now), or {advice}"
-        )
+    advice = memory_advice(run.model.checkpoint_layers, run.model.spec.num_layers)
     return f"out of GPU memory in step {step + 1} ({shape}): {advice}"
 
 

@@ -280,13 +280,19 @@ def _over_memory_note(
     estimate = estimated_peak_bytes(spec, shape, checkpointed, offload=offload)
     if estimate <= limit:
         return None
-    advice = "lower micro_batch_size or sequence_len"
-    if checkpointed < spec.num_layers:
-        advice = f"set gradient_checkpointing: true ({checkpointed} of {spec.num_layers} layers recompute), or {advice}"
     return (
         f"memory: the planner puts this run's peak at {estimate / 2**30:.3g} GiB, over {what}; it may run "
-        f"out of GPU memory: {advice}"
+        f"out of GPU memory: {memory_advice(checkpointed, spec.num_layers)}"
     )
+
+
+def memory_advice(checkpointed: int, layers: int) -> str:
+    """What to change when a run needs more GPU memory: recompute every layer if some keep their
+    activations, else a smaller micro-batch."""
+    advice = "lower micro_batch_size or sequence_len"
+    if checkpointed < layers:
+        return f"set gradient_checkpointing: true ({checkpointed} of {layers} layers recompute), or {advice}"
+    return advice
 
 
 def _setup_model(
