@@ -37,7 +37,6 @@ from benchmarks.output import add_json_option, write_json
 from benchmarks.random_checkpoint import write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LABELS = {"qlora": "qlora train", "unsloth": "Unsloth + TRL", "benchmark": "benchmarks.compare"}
 
 
@@ -115,6 +114,21 @@ def run_benchmark(args, checkpoint: Path) -> dict:
     }
 
 
+def unsloth_targets(config: dict, checkpoint: Path) -> list[str]:
+    """The decoder linears qlora adapts for this config, as PEFT names them, for Unsloth to adapt too:
+    every one with lora_target_linear (a Qwen3.5 layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    and out_proj among them), else those lora_target_modules names."""
+    from benchmarks.compare import lora_targets
+    from qlora_cli.core.names import ALL_PROJECTIONS
+
+    wanted = (
+        ALL_PROJECTIONS
+        if config.get("lora_target_linear")
+        else config.get("lora_target_modules", ALL_PROJECTIONS)
+    )
+    return [name for name in lora_targets(checkpoint) if name in wanted]
+
+
 def _supported(cls, **kwargs) -> dict:
     """The keyword arguments `cls` takes: TRL renamed several between versions."""
     names = inspect.signature(cls).parameters
@@ -159,7 +173,7 @@ def run_unsloth(args, checkpoint: Path) -> dict:
         r=config.get("lora_r", 16),
         lora_alpha=config.get("lora_alpha", 32),
         lora_dropout=config.get("lora_dropout", 0.0),
-        target_modules=TARGETS,
+        target_modules=unsloth_targets(config, checkpoint),
         use_gradient_checkpointing="unsloth" if config.get("gradient_checkpointing", True) else False,
         random_state=config.get("seed", 42),
     )

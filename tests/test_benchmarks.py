@@ -67,6 +67,22 @@ def test_steady_tokens_per_s_leaves_out_the_warm_up():
     assert steady(steps[:1], 1)["timed_steps"] == 1
 
 
+def test_unsloth_adapts_what_the_config_adapts_in_qlora(tmp_path):
+    """lora_target_linear: every decoder linear of a Qwen3.5, its Gated DeltaNet's projections too, as
+    qlora adapts them; lora_target_modules: those names alone."""
+    from checkpoints import write_qwen3_5
+
+    from benchmarks.e2e import unsloth_targets
+
+    checkpoint = write_qwen3_5(tmp_path / "model", num_hidden_layers=2, full_attention_interval=2)
+    every = unsloth_targets({"lora_target_linear": True}, checkpoint)
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "down_proj"} <= set(
+        every
+    )
+    assert len(every) == 12
+    assert unsloth_targets({"lora_target_modules": ["v_proj", "q_proj"]}, checkpoint) == ["q_proj", "v_proj"]
+
+
 def test_e2e_runs_qlora_train_on_alpaca_shaped_rows(tmp_path):
     """The qlora runner on the CPU with the demo's config and model: the real command line on rows it
     writes, its numbers read from the run's metrics, the same numbers in the JSON file."""
