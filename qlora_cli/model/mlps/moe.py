@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP (Qwen3 MoE, Qwen3.5 MoE): a softmax router picks each token's top-k routed
 experts, each a SwiGLU MLP of frozen weights; the tokens' copies are sorted by expert, the experts'
 projections run as grouped GEMMs over those rows (qlora_kernels.grouped_linear: NF4 tiles decoded in
-the GEMM), and each token sums its k outputs, weighted. Nothing reads the routing on the host, so a CUDA
+the GEMM), and each token sums its k outputs, weighted (qlora_kernels.expert_rows spreads the tokens to
+their sorted rows and combines them back). Nothing reads the routing on the host, so a CUDA
 graph captures the layer. A shared expert, where the family has one, runs on every token through the
 mode's projections as the dense MLP does, scaled by sigmoid(shared_expert_gate · x).
 
@@ -23,6 +24,7 @@ from qlora_cli.model.mlps.balance import router_tally
 from qlora_cli.model.mlps.expert_lora import ExpertLoRA
 from qlora_cli.model.modes import Projections
 from qlora_cli.sources.spec import ModelSpec
+from qlora_kernels.expert_rows import combine_rows, spread_rows
 from qlora_kernels.formats import FrozenFormat
 from qlora_kernels.grouped_linear import GroupedWeight, grouped_linear
 
@@ -87,11 +89,12 @@ class MoEMLP(nn.Module):
         """Values a token keeps for the MLP's backward (bf16 units): the shared expert's gate/up output;
         per routed copy, gate's and up's outputs and SwiGLU's (the grouped GEMMs keep no input), the
         expert's output and the weight that multiplies it; the router's fp32 probabilities, and its
-        fp32 top k and their sum where they are renormalised; three int64 orderings of the copies."""
+        fp32 top k and their sum where they are renormalised; in int64, the experts it chose (the top k's
+        indices) and where its copies sit among the sorted rows."""
         moe = spec.moe
         routed = moe.top_k * (3 * moe.expert_intermediate_size + spec.hidden_size + 1)
         router = 2 * moe.num_experts + (2 * moe.top_k + 2 if moe.norm_topk_prob else 0)
-        return 2 * moe.shared_expert_intermediate_size + routed + router + 3 * 4 * moe.top_k
+        return 2 * moe.shared_expert_intermediate_size + routed + router + 2 * 4 * moe.top_k
 
     @staticmethod
     def lora_kept_activations(spec: ModelSpec, lora: LoRAConfig) -> int:
@@ -131,7 +134,10 @@ class MoEMLP(nn.Module):
         order = torch.argsort(choices, stable=True)
         bounds = torch.arange(self.num_experts + 1, device=x.device, dtype=choices.dtype)
         expert_offsets = torch.searchsorted(choices[order], bounds)
-        rows = x[order // self.top_k]
+        # Where each token's k copies sit among the sorted rows: the order's inverse.
+        copies = torch.arange(order.numel(), device=x.device, dtype=order.dtype)
+        positions = torch.empty_like(order).scatter_(0, order, copies).view(experts.shape)
+        rows = spread_rows(x, positions)
         gate = grouped_linear(rows, self.experts["gate_proj"], expert_offsets)
         up = grouped_linear(rows, self.experts["up_proj"], expert_offsets)
         lora = self.expert_lora
@@ -149,9 +155,7 @@ class MoEMLP(nn.Module):
             and (down := lora.delta("down_proj", activation, expert_offsets, switch)) is not None
         ):
             routed = routed + down
-        # Back in (token, choice) order, each token's k outputs weighted and summed.
-        routed = routed[torch.argsort(order)].view(*experts.shape, -1)
-        out = (routed * weights[..., None]).sum(dim=1)
+        out = combine_rows(routed, positions, weights)
         if self.shared_expert:
             shared = project.down(project.swiglu(project.gate_up(h, 0)), 0).reshape(x.shape)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype))) * shared
