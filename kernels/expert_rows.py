@@ -122,32 +122,13 @@ def _block_h(hidden: int) -> int:
     return min(_BLOCK_H, triton.next_power_of_2(hidden))
 
 
-def _spread(x: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def _per_token(kernel, source, positions, weights, out) -> torch.Tensor:
+    """Runs the spread or combine `kernel` over (token, block of H) programs into `out`."""
     tokens, k = positions.shape
-    hidden = x.shape[-1]
-    rows = torch.empty(tokens * k, hidden, dtype=x.dtype, device=x.device)
+    hidden = source.shape[-1]
     block = _block_h(hidden)
-    _spread_kernel[(tokens, triton.cdiv(hidden, block))](
-        x,
-        positions,
-        weights if weights is not None else positions,
-        rows,
-        hidden,
-        K=k,
-        WEIGHTED=weights is not None,
-        BLOCK_H=block,
-        num_warps=_WARPS,
-    )
-    return rows
-
-
-def _combine(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    tokens, k = positions.shape
-    hidden = rows.shape[-1]
-    out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
-    block = _block_h(hidden)
-    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        rows,
+    kernel[(tokens, triton.cdiv(hidden, block))](
+        source,
         positions,
         weights if weights is not None else positions,
         out,
@@ -158,6 +139,16 @@ def _combine(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor 
         num_warps=_WARPS,
     )
     return out
+
+
+def _spread(x: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    rows = x.new_empty(positions.numel(), x.shape[-1])
+    return _per_token(_spread_kernel, x, positions, weights, rows)
+
+
+def _combine(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    out = rows.new_empty(positions.shape[0], rows.shape[-1])
+    return _per_token(_combine_kernel, rows, positions, weights, out)
 
 
 def _row_dots(
