@@ -252,3 +252,6 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
     graphed(inputs, 1, 1.0)
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
         graphed(inputs, 1, 1.0)
+    side.synchronize()
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.ones(4, device=CUDA).sum().item() == 4

@@ -119,8 +119,8 @@ def working_bytes(spec: ModelSpec, tokens: int, offload: bool) -> int:
         out * inp for kind in spec.layer_kinds for out, inp in spec.projection_shapes(*kind).values()
     )
     mixer = max(
-        MIXERS[kind].backward_working_bytes(spec, tokens, MLPS[mlp].backward_working_bytes)
-        for kind, mlp in set(spec.layer_kinds)
+        MIXERS[kind].backward_working_bytes(spec, tokens, MLPS[mlp_kind].backward_working_bytes)
+        for kind, mlp_kind in set(spec.layer_kinds)
     )
     return int((tokens * per_token + scratch) * BF16) + max(mlp, mixer) + LOSS_WORKING
 
