@@ -389,6 +389,32 @@ def test_out_is_checked_before_loading_and_keeps_the_rows_of_finished_batches(
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [PROMPTS[0]]
 
 
+def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_rows_done(run, tmp_path, run_cli, monkeypatch):
+    """The second batch's decoding fails to allocate: exit 1, one line naming the prompts, their length
+    and what to lower, and --out holding the first batch's row."""
+    real, batches = generate_command.generate_ids, []
+
+    def second_batch_runs_out(*args, **kwargs):
+        batches.append(args[1])
+        if len(batches) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_command, "generate_ids", second_batch_runs_out)
+    out = tmp_path / "rows.jsonl"
+    code, _, err = run_cli(
+        "generate", run, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--batch-size", 1, "--out", out,
+        "--max-new-tokens", 5,
+    )  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in err, err
+    assert lines == [
+        f"error: out of GPU memory generating prompts 2 to 2 of 2 (the longest {len(batches[1][0])} tokens, up "
+        f"to 5 new): lower --batch-size (now 1) or --max-new-tokens; {out} holds the 1 row done before"
+    ]
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == [PROMPTS[0]]
+
+
 def test_a_refused_prompt_leaves_out_as_it_was(run, tmp_path, run_cli):
     """The refusal comes before any row: no empty --out is left behind, and an earlier one stays whole."""
     long_prompt = " ".join(f"w{i}" for i in range(600))

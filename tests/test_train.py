@@ -722,6 +722,31 @@ def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp
     assert latest_checkpoint(tmp_path / "run" / "out") == tmp_path / "run" / "out" / "checkpoint-2"
 
 
+def test_running_out_of_gpu_memory_evaluating_is_one_line_too(tmp_path, run_cli):
+    """The evaluation after step 4 fails to allocate (inside a layer, in eval mode): one line naming it,
+    exit code 1, checkpoint 2 named and kept."""
+    path = write_run(tmp_path / "run", max_steps=6, save_steps=2, val_set_size=0.1, eval_steps=4)
+
+    def allocation_fails(module, args):
+        if type(module).__name__ == "DecoderLayer" and not module.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(allocation_fails)
+    try:
+        code, out, err = run_cli("train", path)
+    finally:
+        hook.remove()
+    lines = [line for line in (out + err).splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in out + err
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: out of GPU memory evaluating after step 4 (2 x 128 "
+    )
+    assert lines[0].endswith(
+        f"; the run stopped; last good checkpoint: {tmp_path / 'run' / 'out' / 'checkpoint-2'}"
+    )
+    assert latest_checkpoint(tmp_path / "run" / "out") == tmp_path / "run" / "out" / "checkpoint-2"
+
+
 def _cli(*args, env_extra=None):
     env = subprocess_env(**(env_extra or {}))
     return subprocess.Popen(

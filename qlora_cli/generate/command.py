@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
 from qlora_cli.core.console import OutputConsole
-from qlora_cli.core.errors import QLoraError, WriteFailed
+from qlora_cli.core.errors import OutOfMemory, QLoraError, WriteFailed
 from qlora_cli.core.files import check_writable, reason, temp_beside
 from qlora_cli.core.wording import count, number
 from qlora_cli.generate.decoding import DecodingEngine
@@ -64,11 +65,14 @@ def generate(
         rows = []
         for start in range(0, len(given), batch_size):
             batch = ids[start : start + batch_size]
+            try:
+                completions = generate_ids(engine, batch, sampling, loaded.stop_ids, timing=timing)
+            except torch.OutOfMemoryError:
+                raise OutOfMemory(
+                    _out_of_memory(start, batch, len(given), batch_size, sampling, out, writer.rows)
+                ) from None
             for prompt, prompt_ids, completion in zip(
-                given[start : start + batch_size],
-                batch,
-                generate_ids(engine, batch, sampling, loaded.stop_ids, timing=timing),
-                strict=True,
+                given[start : start + batch_size], batch, completions, strict=True
             ):
                 text = loaded.tokenizer.decode(completion.ids)
                 stdout.write(text + "\n")
@@ -94,6 +98,21 @@ def generate(
         soft_wrap=True,
     )
     return rows
+
+
+def _out_of_memory(
+    start: int, batch: list, prompts: int, batch_size: int, sampling: Sampling, out: Path | None, written: int
+) -> str:
+    """Which prompts ran out, how long they are, what to change, and what --out already holds."""
+    longest = max(len(prompt_ids) for prompt_ids in batch)
+    line = (
+        f"out of GPU memory generating prompts {start + 1} to {start + len(batch)} of {prompts} "
+        f"(the longest {count(longest, 'token')}, up to {sampling.max_new_tokens} new): lower "
+        f"--batch-size (now {batch_size}) or --max-new-tokens"
+    )
+    return line + (
+        f"; {out} holds the {count(written, 'row')} done before" if out is not None and written else ""
+    )
 
 
 def _prompt_ids(

@@ -407,7 +407,7 @@ def _train(
                 done, loss = step + 1, outcome.loss
                 window.add(outcome)
                 record = window.close(done, outcome.grad_norm) if window.due(done) else None
-                record = _with_evaluation(run, done, record)
+                record = _with_evaluation(run, done, record, last_checkpoint)
                 if record is not None:
                     _publish(record, log, metrics, progress, trackers)
                 progress.advance_to(done)
@@ -523,36 +523,45 @@ def _agreed_signal(run: Run, signals: StopSignals) -> int:
 def _run_step(run: Run, step: int, watchdog: LossWatchdog, last_checkpoint: Path | None) -> StepOutcome:
     """Forward, backward and update of optimizer step `step`. A non-finite loss, or one the watchdog
     finds too high for too long, stops the run before the update; so does running out of GPU memory."""
-    kept = f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else ""
+    stopped = _run_stopped(last_checkpoint)
     try:
         loss_sum, trained, inputs, aux_sum = train_step(run, step)
         loss_sum, inputs, all_aux = run.dist.sum(loss_sum, inputs, aux_sum or 0.0)
         if not math.isfinite(loss_sum):
-            raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}; the run stopped{kept}")
+            raise TrainingStopped(f"loss is {loss_sum} at step {step + 1}{stopped}")
         if watchdog.too_high(loss_sum / max(1, trained)):
-            raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}; the run stopped{kept}")
+            raise TrainingStopped(f"{watchdog.describe()} at step {step + 1}{stopped}")
         grad_norm = optimizer_step(run, step)
     except torch.OutOfMemoryError:
-        raise OutOfMemory(_out_of_memory(run, step) + f"; the run stopped{kept}") from None
+        raise OutOfMemory(_out_of_memory(run, f"in step {step + 1}") + stopped) from None
     return StepOutcome(loss_sum, trained, int(inputs), grad_norm, None if aux_sum is None else all_aux)
 
 
-def _out_of_memory(run: Run, step: int) -> str:
-    """What ran out, at what shape, and what to change."""
+def _run_stopped(last_checkpoint: Path | None) -> str:
+    """How the line of a run that stopped on its own ends: what stays of it."""
+    return "; the run stopped" + (f"; last good checkpoint: {last_checkpoint}" if last_checkpoint else "")
+
+
+def _out_of_memory(run: Run, doing: str) -> str:
+    """What ran out (`doing`: in which step, or evaluating after it), at what shape, what to change."""
     config = run.config
     shape = f"{config.micro_batch_size} x {config.sequence_len} tokens a micro-batch"
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
         shape += f", {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f} GiB in use of {total:.1f}"
     advice = memory_advice(run.model.checkpoint_layers, run.model.spec.num_layers)
-    return f"out of GPU memory in step {step + 1} ({shape}): {advice}"
+    return f"out of GPU memory {doing} ({shape}): {advice}"
 
 
-def _with_evaluation(run: Run, done: int, record: dict | None) -> dict | None:
+def _with_evaluation(run: Run, done: int, record: dict | None, last_checkpoint: Path | None) -> dict | None:
     """The step's record with the validation loss added when an evaluation is due."""
     if run.eval_plan is None or not run.eval_every or done % run.eval_every:
         return record
-    eval_loss, eval_ppl = evaluate(run)
+    try:
+        eval_loss, eval_ppl = evaluate(run)
+    except torch.OutOfMemoryError:
+        doing = f"evaluating after step {done}"
+        raise OutOfMemory(_out_of_memory(run, doing) + _run_stopped(last_checkpoint)) from None
     record = record or {"step": done}
     record.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
     return record
