@@ -693,17 +693,12 @@ def test_a_plan_over_the_memory_budget_is_a_note_saying_what_to_change(tmp_path,
     assert not any(note.startswith("memory:") for note in build_run(roomy).notes)
 
 
-def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, run_cli):
-    """An allocation that fails in step 3's forward, raised where the GPU's allocator raises it (inside
-    a layer), ends the run in one line saying what to change, with exit code 1 and checkpoint 2 kept."""
-    path = write_run(tmp_path / "run", max_steps=6, save_steps=2)
-    layers = json.loads((tmp_path / "run" / "model" / "config.json").read_text())["num_hidden_layers"]
-    calls = 0
+def _train_running_out(run_cli, path: Path, fails) -> tuple[int, list[str]]:
+    """`qlora train path` with an allocation failing inside each DecoderLayer for which `fails(layer)`
+    says so, raised where the GPU's allocator raises it; the exit code and the error lines."""
 
     def allocation_fails(module, args):
-        nonlocal calls
-        calls += type(module).__name__ == "DecoderLayer"
-        if calls == 2 * layers + 1:
+        if type(module).__name__ == "DecoderLayer" and fails(module):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(allocation_fails)
@@ -711,9 +706,20 @@ def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp
         code, out, err = run_cli("train", path)
     finally:
         hook.remove()
-    assert code == 1
     assert "Traceback" not in out + err
-    lines = [line for line in (out + err).splitlines() if line.startswith("error:")]
+    return code, [line for line in (out + err).splitlines() if line.startswith("error:")]
+
+
+def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp_path, run_cli):
+    """An allocation that fails in step 3's forward ends the run in one line saying what to change, with
+    exit code 1 and checkpoint 2 kept."""
+    path = write_run(tmp_path / "run", max_steps=6, save_steps=2)
+    layers = json.loads((tmp_path / "run" / "model" / "config.json").read_text())["num_hidden_layers"]
+    calls = []
+    code, lines = _train_running_out(
+        run_cli, path, lambda layer: calls.append(layer) or len(calls) == 2 * layers + 1
+    )
+    assert code == 1
     assert lines == [
         "error: out of GPU memory in step 3 (2 x 128 tokens a micro-batch): set gradient_checkpointing: "
         f"true (0 of {layers} layers recompute), or lower micro_batch_size or sequence_len; the run "
@@ -723,28 +729,15 @@ def test_running_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(tmp
 
 
 def test_running_out_of_gpu_memory_evaluating_is_one_line_too(tmp_path, run_cli):
-    """The evaluation after step 4 fails to allocate (inside a layer, in eval mode): one line naming it,
-    exit code 1, checkpoint 2 named and kept."""
+    """The evaluation after step 4 fails to allocate (in eval mode): one line naming it, exit code 1,
+    checkpoint 2 named and kept."""
     path = write_run(tmp_path / "run", max_steps=6, save_steps=2, val_set_size=0.1, eval_steps=4)
-
-    def allocation_fails(module, args):
-        if type(module).__name__ == "DecoderLayer" and not module.training:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(allocation_fails)
-    try:
-        code, out, err = run_cli("train", path)
-    finally:
-        hook.remove()
-    lines = [line for line in (out + err).splitlines() if line.startswith("error:")]
-    assert code == 1 and "Traceback" not in out + err
-    assert len(lines) == 1 and lines[0].startswith(
-        "error: out of GPU memory evaluating after step 4 (2 x 128 "
-    )
-    assert lines[0].endswith(
-        f"; the run stopped; last good checkpoint: {tmp_path / 'run' / 'out' / 'checkpoint-2'}"
-    )
-    assert latest_checkpoint(tmp_path / "run" / "out") == tmp_path / "run" / "out" / "checkpoint-2"
+    code, lines = _train_running_out(run_cli, path, lambda layer: not layer.training)
+    checkpoint = tmp_path / "run" / "out" / "checkpoint-2"
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: out of GPU memory evaluating after step 4 (2 x 128 ")
+    assert lines[0].endswith(f"; the run stopped; last good checkpoint: {checkpoint}")
+    assert latest_checkpoint(tmp_path / "run" / "out") == checkpoint
 
 
 def _cli(*args, env_extra=None):
