@@ -41,8 +41,9 @@ class WriteFailed(QLoraError):
 
 
 class OutOfMemory(QLoraError):
-    """A step needed more GPU memory than there is: the message gives the shape, the memory and what to
-    change. Nothing the run wrote is lost, and the exit code is 1, as for any other failed run."""
+    """A training step, an evaluation or a generation needed more GPU memory than there is: the message
+    says where, at what shape and what to change. Nothing already written is lost, and the exit code is
+    1, as for any other failed run."""
 
     exit_code = 1
 
