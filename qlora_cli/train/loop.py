@@ -546,9 +546,9 @@ def _out_of_memory(run: Run, doing: str) -> str:
     """What ran out (`doing`: in which step, or evaluating after it), at what shape, what to change."""
     config = run.config
     shape = f"{config.micro_batch_size} x {config.sequence_len} tokens a micro-batch"
-    if run.device.type == "cuda":
+    if (peak := memory_gib(run.device)) is not None:
         total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
-        shape += f", {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f} GiB in use of {total:.1f}"
+        shape += f", {peak:.1f} GiB in use of {total:.1f}"
     advice = memory_advice(run.model.checkpoint_layers, run.model.spec.num_layers)
     return f"out of GPU memory {doing} ({shape}): {advice}"
 
