@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
+from benchmarks.variants import patched
 from qlora_kernels import attention, conv1d, delta_rule, fp8, grouped_linear, rmsnorm
 from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
@@ -143,7 +144,8 @@ def _meta(*shape, dtype=torch.bfloat16, grad=False):
 
 
 def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[Launch]:
-    """One forward + backward with an initial and a final state, on a packed row, and one decode step."""
+    """One forward + backward with an initial and a final state, on a packed row, a forward whose output
+    is formed outside the scan (as where the scan's programs are few), and one decode step."""
     q, k = _meta(BATCH, SEQ, k_heads, k_dim, grad=True), _meta(BATCH, SEQ, k_heads, k_dim, grad=True)
     v = _meta(BATCH, SEQ, v_heads, v_dim, grad=True)
     g = _meta(BATCH, SEQ, v_heads, dtype=torch.float32, grad=True)
@@ -157,6 +159,10 @@ def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> l
         torch.autograd.grad(
             (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
         )
+        with patched({(delta_rule.scan, "_OUTPUT_IN_SCAN_WAVES"): 2**31}):
+            delta_rule.GatedDeltaRuleFunction.apply(
+                q, k, v, g, beta, docs, state, k_dim**-0.5, True, True, None
+            )
         step_state = _meta(BATCH, v_heads, k_dim, v_dim, dtype=torch.float32)
         delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], step_state, k_dim**-0.5, True)
     return launches

@@ -9,8 +9,9 @@ from qlora_kernels._layout import documents_per_token, unit_last_stride
 
 from .backward import _chunk_backward
 from .common import CHUNK, _table_dtype
+from .output import _chunk_output
 from .reference import gated_delta_rule_reference, gated_delta_rule_step_reference
-from .scan import _scan_forward
+from .scan import _output_in_scan, _scan_forward
 from .step import _step
 from .tables import _chunk_cumsum, _chunk_solve, _chunk_tables, _normalized, _normalized_backward
 
@@ -46,12 +47,18 @@ def _prepare(q, k, v, g, docs, scale, normalize_qk):
 def _chunk_forward(q, k, v, beta, b, docs, t, initial_state, output_final_state, store_states):
     """The chunked forward on normalised q, k (in the tables' dtype), the per-chunk cumulative
     log-decay b and the chunks' T; with store_states, backward's rerun: no output, and the tables
-    and per-chunk states that backward reads."""
+    and per-chunk states that backward reads. The output comes from the scan, or from the states it
+    stores where its programs are few (scan._output_in_scan)."""
     w, u, aqk = _chunk_tables(q, k, v, beta, b, docs, t)
-    o, final, states = _scan_forward(
-        q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states
-    )
-    return o, final, (t, w, u, aqk, *states) if store_states else None
+    if store_states or not _output_in_scan(v.shape[0], v.shape[2], v.shape[3], v.device):
+        _, final, (h, delta) = _scan_forward(
+            q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, True
+        )
+        if store_states:
+            return None, final, (t, w, u, aqk, h, delta)
+        return _chunk_output(q, aqk, b, docs, h, delta, v.dtype), final, None
+    o, final, _ = _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, False)
+    return o, final, None
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -1,9 +1,10 @@
 """The state pass: the chunks in order, each (Dv block, row, v-head) carrying its slice of the fp32
-state, with the output formed on the way; and the same in reverse for the state's gradient."""
+state, with the output formed on the way or the states stored for output.py to form it; and the same
+in reverse for the state's gradient."""
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE
+from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors
 
 from .common import CHUNK, _block
 
@@ -50,8 +51,9 @@ if TRITON_AVAILABLE:
         in fp32 registers (the delta rule is separable over v's columns):
         delta = U - W S;  o = (carry exp(b) Q) S + Aqk delta;
         S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta.
-        Backward's rerun stores the entering states (in the tables' dtype: backward only multiplies
-        them) and the corrections, and skips o, which it does not read."""
+        With STORE_STATES it stores the entering states (in the tables' dtype: only products read
+        them) and the corrections, and skips o: for backward's rerun, which does not read o, and
+        for a forward whose o output.py forms from them."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
@@ -221,26 +223,38 @@ def _block_v(v_dim: int) -> int:
     return min(32, _block(v_dim))
 
 
+# Where the forward's output is formed. Inside the scan's serial loop it adds two products to the
+# two the recurrence needs (delta = U - W S, the state's update), each chunk; with a few programs an
+# SM, their latency hides behind one another's. With fewer than this many an SM (one long row: 128
+# programs on the H200's 132 SMs), the scan stores the states instead, as backward's rerun does, and
+# output.py forms the output chunk-parallel, as flash-linear-attention splits its forward.
+_OUTPUT_IN_SCAN_WAVES = 2
+
+
+def _output_in_scan(batch: int, v_heads: int, v_dim: int, device: torch.device) -> bool:
+    programs = triton.cdiv(v_dim, _block_v(v_dim)) * batch * v_heads
+    return programs >= _OUTPUT_IN_SCAN_WAVES * multiprocessors(device)
+
+
 def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states):
-    """o, the final state (or None) and, with store_states (backward's rerun, which needs no o), the
-    state entering each chunk and the corrections delta = U - W S."""
+    """o, the final state (or None) and, with store_states (backward's rerun, or a forward whose output
+    output.py forms), no o but the state entering each chunk and the corrections delta = U - W S."""
     batch, seq, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2:]
     n_chunks = triton.cdiv(seq, CHUNK)
     device = v.device
     tables = w.dtype
-    o = torch.empty(batch, seq, v_heads, v_dim, dtype=v.dtype, device=device)
+    if store_states:
+        h = torch.empty(batch, n_chunks, v_heads, k_dim, v_dim, dtype=tables, device=device)
+        o = delta = torch.empty(u.shape, dtype=tables, device=device)
+    else:
+        o = h = delta = torch.empty(batch, seq, v_heads, v_dim, dtype=v.dtype, device=device)
+    # The kernel skips what it is not asked to write: unused pointers take a tensor it has anyway.
     final = (
         torch.empty(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
         if output_final_state
         else o
     )
-    h = (
-        torch.empty(batch, n_chunks, v_heads, k_dim, v_dim, dtype=tables, device=device)
-        if store_states
-        else o
-    )
-    delta = torch.empty(u.shape, dtype=tables, device=device) if store_states else o
     _chunk_scan_fwd_kernel[(triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)](
         q,
         k,
@@ -272,7 +286,9 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
         num_warps=_SCAN_WARPS,
         num_stages=_SCAN_STAGES,
     )
-    return o, final if output_final_state else None, (h, delta) if store_states else None
+    if store_states:
+        return None, final if output_final_state else None, (h, delta)
+    return o, final if output_final_state else None, None
 
 
 def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
