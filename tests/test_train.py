@@ -28,10 +28,12 @@ from torch.overrides import TorchFunctionMode
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
-from qlora_cli.model import QLoRAModel
+from qlora_cli.model import QLoRAModel, lora_config
+from qlora_cli.model.planner import RunShape, estimated_peak_bytes
 from qlora_cli.rundir.checkpoint import read_checkpoint_config
 from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.rundir.trainer_state import read_trainer_state
+from qlora_cli.sources.model_config import read_spec
 from qlora_cli.train.loop import resume, train
 from qlora_cli.train.run import build_run
 from qlora_cli.train.schedule import learning_rate
@@ -684,13 +686,33 @@ def test_a_plan_over_the_memory_budget_is_a_note_saying_what_to_change(tmp_path,
         advice = f"set gradient_checkpointing: true (0 of {layers} layers recompute), or {advice}"
     notes = [note for note in build_run(config).notes if note.startswith("memory:")]
     pattern = r"memory: the planner puts this run's peak at ([\d.e-]+) GiB, over memory_budget_gb 0.001; "
-    match = re.fullmatch(pattern + re.escape(f"it may run out of GPU memory: {advice}"), notes[0])
+    pattern += re.escape(f"it may run out of GPU memory: {advice} (")
+    pattern += r"even a micro-batch of one token comes to ([\d.e-]+) GiB\)"
+    match = re.fullmatch(pattern, notes[0])
     assert len(notes) == 1 and match, notes
-    assert float(match.group(1)) > 0.001
+    assert float(match.group(1)) > float(match.group(2)) > 0.001
     roomy = load_config(
         write_run(tmp_path / "roomy", memory_budget_gb=1000, gradient_checkpointing=checkpointing)
     )
     assert not any(note.startswith("memory:") for note in build_run(roomy).notes)
+
+
+def test_a_plan_over_the_memory_budget_names_the_longest_micro_batch_that_fits(tmp_path):
+    """A budget just above the planner's peak for 128-token micro-batches with every layer recomputed
+    (the run asks for 256 and recomputes none): the note names 128 tokens, the most that fit."""
+    folder = tmp_path / "run"
+    config = load_config(write_run(folder, gradient_checkpointing=False))
+    spec = read_spec(folder / "model")
+
+    def recomputed_peak(tokens: int) -> int:
+        shape = RunShape(tokens, lora_config(config))
+        return estimated_peak_bytes(spec, shape, spec.num_layers)
+
+    assert config.micro_batch_size * config.sequence_len == 256
+    budget = (recomputed_peak(128) + recomputed_peak(129)) / 2 / 2**30
+    notes = build_run(dataclasses.replace(config, memory_budget_gb=budget)).notes
+    [note] = [note for note in notes if note.startswith("memory:")]
+    assert note.endswith("(with every layer recomputed, micro-batches of up to 128 tokens fit)"), note
 
 
 def _train_running_out(run_cli, path: Path, fails) -> tuple[int, list[str]]:

@@ -9,7 +9,7 @@ pinned host memory (qlora_cli/model/offload.py), copied while the GPU computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qlora_cli.model.lora import LoRAConfig
 from qlora_cli.model.mixers import MIXERS
@@ -139,6 +139,24 @@ def estimated_peak_bytes(spec: ModelSpec, shape: RunShape, recomputed: int, *, o
         + recomputed * recomputed_layer_bytes(spec, shape.tokens, offload)
         + working_bytes(spec, shape.tokens, offload and recomputed > 0)
     )
+
+
+def longest_micro_batch(spec: ModelSpec, shape: RunShape, limit_bytes: float, *, offload: bool) -> int:
+    """The most tokens a micro-batch (micro_batch_size × sequence_len) may hold, up to `shape`'s, for the
+    planner's peak with every layer recomputed to stay within `limit_bytes`; 0 where the weights and
+    the adapter's state alone exceed it."""
+
+    def fits(tokens: int) -> bool:
+        return (
+            estimated_peak_bytes(spec, replace(shape, tokens=tokens), spec.num_layers, offload=offload)
+            <= limit_bytes
+        )
+
+    fitting, over = 0, shape.tokens + 1
+    while over - fitting > 1:
+        middle = (fitting + over) // 2
+        fitting, over = (middle, over) if fits(middle) else (fitting, middle)
+    return fitting
 
 
 def layers_to_checkpoint(

@@ -20,7 +20,13 @@ from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_i
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import compute_dtype, fp8_problem, lora_config, select_device
 from qlora_cli.model.layers import shape_problem
-from qlora_cli.model.planner import RunShape, estimated_peak_bytes, layers_to_checkpoint, offloads_activations
+from qlora_cli.model.planner import (
+    RunShape,
+    estimated_peak_bytes,
+    layers_to_checkpoint,
+    longest_micro_batch,
+    offloads_activations,
+)
 from qlora_cli.rundir.adapter import adopt_adapter_shape, load_adapter_state, read_peft_adapter
 from qlora_cli.rundir.base_model import is_local_base
 from qlora_cli.rundir.folder import check_free_space, space_needed
@@ -280,9 +286,17 @@ def _over_memory_note(
     estimate = estimated_peak_bytes(spec, shape, checkpointed, offload=offload)
     if estimate <= limit:
         return None
+    longest = longest_micro_batch(spec, shape, limit, offload=offload)
+    if longest:
+        fitting = f"with every layer recomputed, micro-batches of up to {longest} tokens fit"
+    else:
+        one_token = estimated_peak_bytes(
+            spec, dataclasses.replace(shape, tokens=1), spec.num_layers, offload=offload
+        )
+        fitting = f"even a micro-batch of one token comes to {one_token / 2**30:.3g} GiB"
     return (
         f"memory: the planner puts this run's peak at {estimate / 2**30:.3g} GiB, over {what}; it may run "
-        f"out of GPU memory: {memory_advice(checkpointed, spec.num_layers)}"
+        f"out of GPU memory: {memory_advice(checkpointed, spec.num_layers)} ({fitting})"
     )
 
 
