@@ -52,7 +52,8 @@ if TRITON_AVAILABLE:
         chunk and the dS leaving it (both stored by the scans), over Dv in blocks of BLOCK_V:
         dq = carry exp(b) dO S^T, dk = K~'s scale (delta dS^T), dW = -d delta S^T, and db's terms
         (q . dq - k . dk, with the last token taking the decays' sum and exp(b_last) S . dS).
-        Written whole, in fp32, for _chunk_bwd_intra_kernel to add its terms to."""
+        Written whole for _chunk_bwd_intra_kernel to add its terms to: dq, dk and db in fp32, dW (only
+        ever a product's operand) in the tables' dtype."""
         n = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
@@ -108,7 +109,7 @@ if TRITON_AVAILABLE:
         k_offsets = token_head[:, None] * k_dim + dims[None, :]
         tl.store(dq_ptr + k_offsets, dq, mask=k_mask)
         tl.store(dk_ptr + k_offsets, dk, mask=k_mask)
-        tl.store(dw_ptr + k_offsets, dw, mask=k_mask)
+        tl.store(dw_ptr + k_offsets, dw.to(dw_ptr.dtype.element_ty), mask=k_mask)
         tl.store(db_ptr + token_head, db, mask=valid)
 
     @triton.jit
@@ -298,9 +299,10 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     device = v.device
     do = unit_last_stride(do)
     ddelta, dh, dh0 = _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h)
-    dq, dk, dw = (
-        torch.empty(batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(3)
-    )
+    dq, dk = (torch.empty(batch, seq, v_heads, k_dim, dtype=torch.float32, device=device) for _ in range(2))
+    # dW is only ever a product's operand (dW W^T, T^T dW), which takes it in the tables' dtype: stored so,
+    # it reads back to the same bits for half the bytes.
+    dw = torch.empty(batch, seq, v_heads, k_dim, dtype=t.dtype, device=device)
     db = torch.empty(batch, seq, v_heads, dtype=torch.float32, device=device)
     _chunk_bwd_state_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
         q,

@@ -41,15 +41,15 @@ def delta_rule_backward_bytes(spec: ModelSpec, tokens: int) -> int:
     """What the delta rule's backward holds at its peak for one pass over `tokens` of a Gated DeltaNet
     layer (kernels/delta_rule: _chunk_forward with store_states, then _chunk_backward's state pass),
     per value head and token: in the tables' dtype the q·k table and the two transposed squares of
-    the per-chunk backward (3 CHUNK), w (Dk), the corrections and their gradient (2 Dv), and the
-    states entering and the gradients leaving each chunk (2 Dk·Dv / CHUNK); in fp32 u (Dv), the
-    state's dq, dk and dw (3 Dk), db and the cumulative log-decay; and the normalised q and k per
-    key head. The chunk solve's T is the forward's, kept with the layer's activations
+    the per-chunk backward (3 CHUNK), w and its gradient (2 Dk), the corrections and their gradient
+    (2 Dv), and the states entering and the gradients leaving each chunk (2 Dk·Dv / CHUNK); in fp32
+    u (Dv), the state's dq and dk (2 Dk), db and the cumulative log-decay; and the normalised q and k
+    per key head. The chunk solve's T is the forward's, kept with the layer's activations
     (GatedDeltaNet.kept_activations)."""
     linear = spec.linear_attention
     k_dim, v_dim = linear.key_head_dim, linear.value_head_dim
-    tables = 3 * CHUNK + k_dim + 2 * v_dim + 2 * k_dim * v_dim / CHUNK
-    per_value_head = tables * BF16 + (v_dim + 3 * k_dim + 2) * FP32
+    tables = 3 * CHUNK + 2 * k_dim + 2 * v_dim + 2 * k_dim * v_dim / CHUNK
+    per_value_head = tables * BF16 + (v_dim + 2 * k_dim + 2) * FP32
     per_token = linear.num_value_heads * per_value_head + 2 * linear.num_key_heads * k_dim * BF16
     return int(tokens * per_token)
 
