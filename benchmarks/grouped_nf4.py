@@ -15,8 +15,9 @@ TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times an
 kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
 copy, so that a change's before and after come from one call. Each `--variant` also times our NF4
 kernel with launch settings replaced: rows of one expert a program (`rows`), output columns (`cols`),
-inner step (`inner`), `warps` and `stages` (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
-_NF4_WARPS, _NF4_STAGES; NF4 tiles stay whole quantization blocks wide).
+inner step (`inner`), `warps`, `stages` and whether NF4 codes are gathered from the 16 values read
+once or each loaded (`gather=1/0`) (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
+_NF4_WARPS, _NF4_STAGES, _NF4_GATHER_CODES; NF4 tiles stay whole quantization blocks wide).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ VARIANT_KEYS = {
     "inner": lambda inner: {(grouped_module, "_BLOCK_K"): inner},
     "warps": lambda warps: {(grouped_module, "_NF4_WARPS"): warps},
     "stages": lambda stages: {(grouped_module, "_NF4_STAGES"): stages},
+    "gather": lambda gather: {(grouped_module, "_NF4_GATHER_CODES"): bool(gather)},
 }
 
 

@@ -229,7 +229,7 @@ if TRITON_AVAILABLE:
         inverse = tl.load(inverse_ptr + blocks // blocks_per_row, mask=mask, other=0.0)[:, None]
         byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
         packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, None], other=0).to(tl.int32)
-        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr) * inverse
+        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr, False) * inverse
         offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
         tl.store(out_ptr + offsets, _to_e4m3_tile(values, ROUND_FIRST), mask=mask[:, None])
 
@@ -277,7 +277,7 @@ if TRITON_AVAILABLE:
         )
         packed = packed.to(tl.int32)
         values = tl.reshape(
-            decode_nf4_bytes(packed, absmax[:, :, None], code_ptr),
+            decode_nf4_bytes(packed, absmax[:, :, None], code_ptr, False),
             (ROWS_PER_PROGRAM, BLOCKS_PER_PROGRAM * BLOCKSIZE),
         )
         columns = tl.program_id(1).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCKSIZE) + tl.arange(

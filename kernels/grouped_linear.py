@@ -208,6 +208,7 @@ if TRITON_AVAILABLE:
         NESTED_BLOCKSIZE: tl.constexpr,
         DOUBLE_QUANT: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr,
+        GATHER_CODES: tl.constexpr,
     ):
         """The weight tile [ROWS, WIDTH] at rows `w_rows` and columns from `col_start`, in `dtype`:
         decoded from NF4 when QUANTIZED, else read from the plain weight."""
@@ -229,6 +230,7 @@ if TRITON_AVAILABLE:
                 WHOLE_BLOCKS,
                 ROWS,
                 WIDTH,
+                GATHER_CODES,
             )
         else:
             cols = col_start + tl.arange(0, WIDTH)
@@ -269,6 +271,7 @@ if TRITON_AVAILABLE:
         NESTED_BLOCKSIZE: tl.constexpr,
         DOUBLE_QUANT: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr,
+        GATHER_CODES: tl.constexpr,
     ):
         """One program: BLOCK_M rows of one expert times BLOCK_N output columns. Its expert is the
         last whose first row tile (tile_starts, exclusive sums of each expert's tiles) is at or
@@ -319,6 +322,7 @@ if TRITON_AVAILABLE:
                     NESTED_BLOCKSIZE,
                     DOUBLE_QUANT,
                     WHOLE_BLOCKS,
+                    GATHER_CODES,
                 )
                 acc += tl.dot(a, w)
             else:
@@ -341,6 +345,7 @@ if TRITON_AVAILABLE:
                     NESTED_BLOCKSIZE,
                     DOUBLE_QUANT,
                     WHOLE_BLOCKS,
+                    GATHER_CODES,
                 )
                 acc += tl.dot(a, tl.trans(w))
         mask = row_mask[:, None] & (cols < out_cols)[None, :]
@@ -357,15 +362,20 @@ if TRITON_AVAILABLE:
 _BLOCK_N = 128
 _BLOCK_K = 64
 # (rows of one expert a program takes, warps, stages) for plain and NF4 experts. Plain tiles stream
-# in through two stages at 8 warps. With NF4 a second stage makes Triton copy every code-table lookup
-# into shared memory asynchronously, one value at a time: on the H200 (benchmarks.grouped_nf4,
-# Qwen3.5-35B-A3B's gate/up, 2026-12-03) one stage at 4 warps took the forward from 13.17 to 1.11 ms
-# and the input gradient from 13.32 to 1.28. An NF4 tile is decoded once for every program that
-# multiplies it, so 128 rows a program decode half as often as 64: 1.122 -> 1.009 ms (gate/up
-# forward) and 0.628 -> 0.584 (down) at 35B-A3B, 1.495 -> 1.274 and 0.869 -> 0.711 at 30B-A3B
-# (2026-12-04); 8 warps or wider or deeper tiles lost beside it.
+# in through two stages at 8 warps. An NF4 tile is decoded once for every program that multiplies
+# it, so 128 rows a program decode half as often as 64: 1.122 -> 1.009 ms (gate/up forward) and
+# 0.628 -> 0.584 (down) at 35B-A3B, 1.495 -> 1.274 and 0.869 -> 0.711 at 30B-A3B on the H200
+# (benchmarks.grouped_nf4, 2026-12-04); 8 warps or wider or deeper tiles lost beside it.
+# NF4 codes are picked from the 16 values read once (nf4.py's nf4_code_values, GATHER). Loading each
+# code's value instead made a second stage copy every such load into shared memory ahead, one value
+# at a time (13.17 against 1.11 ms at one stage, gate/up forward, 2026-12-03); with the gather the
+# loop has no per-value loads, so two stages prefetch only the rows, bytes and absmaxes (sm_90 SASS:
+# 24 async copies a step and 54 KB of shared memory, against 148 and 83 KB) and one tile's decode can
+# run beside the previous tile's product. Gather at two stages is not yet timed on the H200
+# (benchmarks.grouped_nf4 --variant gather=0,stages=1 is the previous setting).
 _PLAIN_ROWS, _PLAIN_WARPS, _PLAIN_STAGES = 64, 8, 2
-_NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 1
+_NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 2
+_NF4_GATHER_CODES = True
 
 
 def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor, transposed: bool):
@@ -433,6 +443,7 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         NESTED_BLOCKSIZE=nested_blocksize,
         DOUBLE_QUANT=quantized and weight.double_quant,
         WHOLE_BLOCKS=whole_blocks,
+        GATHER_CODES=_NF4_GATHER_CODES,
         num_warps=warps,
         num_stages=stages,
     )

@@ -323,11 +323,24 @@ if TRITON_AVAILABLE:
             return tl.load(absmax_ptr + blocks, mask=mask, other=0.0)
 
     @triton.jit
-    def decode_nf4_bytes(packed, absmax, code_ptr):
+    def nf4_code_values(codes, code_ptr, GATHER: tl.constexpr):
+        """The fp32 NF4 value of each int32 4-bit code (any shape). GATHER reads the 16 values once
+        and picks each from them (tl.gather, a lookup in shared memory), so a software-pipelined
+        loop has no load per value to copy ahead one at a time; else each value loads its own (an
+        L1 hit)."""
+        if GATHER:
+            table = tl.load(code_ptr + tl.arange(0, 16))
+            return tl.gather(table, codes.reshape(codes.numel), 0).reshape(codes.shape)
+        else:
+            return tl.load(code_ptr + codes)
+
+    @triton.jit
+    def decode_nf4_bytes(packed, absmax, code_ptr, GATHER: tl.constexpr):
         """Values of int32 `packed` bytes, high nibble first: code * absmax in fp32, `absmax`
-        broadcast against the bytes. Every NF4 kernel that forms weight values does it here."""
-        high = tl.load(code_ptr + (packed >> 4)) * absmax
-        low = tl.load(code_ptr + (packed & 0xF)) * absmax
+        broadcast against the bytes (GATHER: see nf4_code_values). Every NF4 kernel that forms
+        weight values does it here."""
+        high = nf4_code_values(packed >> 4, code_ptr, GATHER) * absmax
+        low = nf4_code_values(packed & 0xF, code_ptr, GATHER) * absmax
         return tl.interleave(high, low)
 
     @triton.jit
@@ -357,8 +370,10 @@ if TRITON_AVAILABLE:
         ALIGNED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        GATHER: tl.constexpr,
     ):
-        """fp32 weights [BLOCK_N, BLOCK_K] at (rows, k_start..); zeros outside the matrix.
+        """fp32 weights [BLOCK_N, BLOCK_K] at (rows, k_start..); zeros outside the matrix (GATHER: see
+        nf4_code_values).
 
         ALIGNED (rows are whole quantization blocks, tiles too): bytes come in as [rows, blocks,
         bytes of a block] and each block's absmax is rebuilt once. Otherwise every value finds
@@ -371,7 +386,7 @@ if TRITON_AVAILABLE:
             )
             byte_offsets = blocks[:, :, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, None, :]
             packed = tl.load(packed_ptr + byte_offsets, mask=mask[:, :, None], other=0).to(tl.int32)
-            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr)
+            values = decode_nf4_bytes(packed, absmax[:, :, None], code_ptr, GATHER)
             return tl.where(mask[:, :, None], values, 0.0).reshape(BLOCK_N, BLOCK_K)
         else:
             ks = k_start + tl.arange(0, BLOCK_K)
@@ -389,7 +404,7 @@ if TRITON_AVAILABLE:
                 NESTED_BLOCKSIZE,
                 DOUBLE_QUANT,
             )
-            return tl.where(mask, tl.load(code_ptr + codes) * absmax, 0.0)
+            return tl.where(mask, nf4_code_values(codes, code_ptr, GATHER) * absmax, 0.0)
 
     @triton.jit
     def _quantize_nf4_kernel(
@@ -456,7 +471,7 @@ if TRITON_AVAILABLE:
         byte_offsets = blocks[:, None] * (BLOCKSIZE // 2) + tl.arange(0, BLOCKSIZE // 2)[None, :]
         byte_mask = byte_offsets < (numel + 1) // 2
         packed = tl.load(packed_ptr + byte_offsets, mask=byte_mask, other=0).to(tl.int32)
-        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr)
+        values = decode_nf4_bytes(packed, absmax[:, None], code_ptr, False)
         offsets = blocks[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
         if STRIDED_ROWS:
             first = blocks * BLOCKSIZE

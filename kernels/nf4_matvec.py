@@ -251,6 +251,7 @@ if TRITON_AVAILABLE:
                         ALIGNED,
                         BLOCK_N,
                         BLOCK_K,
+                        False,
                     )
                 x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
                 row_sums += tl.sum(weights * x.to(tl.float32)[None, :], axis=1)
