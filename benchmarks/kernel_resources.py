@@ -159,7 +159,7 @@ def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> l
         torch.autograd.grad(
             (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
         )
-        with patched({(delta_rule.scan, "_OUTPUT_IN_SCAN_WAVES"): 2**31}):
+        with patched({(delta_rule.scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM"): 2**31}):
             delta_rule.GatedDeltaRuleFunction.apply(
                 q, k, v, g, beta, docs, state, k_dim**-0.5, True, True, None
             )

@@ -366,10 +366,11 @@ _BLOCK_K = 64
 # it, so 128 rows a program decode half as often as 64: 1.122 -> 1.009 ms (gate/up forward) and
 # 0.628 -> 0.584 (down) at 35B-A3B, 1.495 -> 1.274 and 0.869 -> 0.711 at 30B-A3B on the H200
 # (benchmarks.grouped_nf4, 2026-12-04); 8 warps or wider or deeper tiles lost beside it.
-# NF4 codes are picked from the 16 values read once (nf4.py's nf4_code_values, GATHER). Loading each
-# code's value instead made a second stage copy every such load into shared memory ahead, one value
-# at a time (13.17 against 1.11 ms at one stage, gate/up forward, 2026-12-03); with the gather the
-# loop has no per-value loads, so two stages prefetch only the rows, bytes and absmaxes (sm_90 SASS:
+# NF4 codes are picked from the 16 values (nf4.py's nf4_code_values, GATHER). Loading each code's
+# value instead made a second stage copy every such load into shared memory ahead, one value at a
+# time (13.17 against 1.11 ms at one stage, gate/up forward, 2026-12-03). With the gather the loop
+# loads no value per weight, only the rows, the bytes and the blocks' absmaxes (with double
+# quantization, their codes' values from the dynamic map), so two stages prefetch those (sm_90 SASS:
 # 24 async copies a step and 54 KB of shared memory, against 148 and 83 KB) and one tile's decode can
 # run beside the previous tile's product. Gather at two stages is not yet timed on the H200
 # (benchmarks.grouped_nf4 --variant gather=0,stages=1 is the previous setting).

@@ -324,10 +324,10 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def nf4_code_values(codes, code_ptr, GATHER: tl.constexpr):
-        """The fp32 NF4 value of each int32 4-bit code (any shape). GATHER reads the 16 values once
-        and picks each from them (tl.gather, a lookup in shared memory), so a software-pipelined
-        loop has no load per value to copy ahead one at a time; else each value loads its own (an
-        L1 hit)."""
+        """The fp32 NF4 value of each int32 4-bit code (any shape). GATHER loads the 16 values (one
+        loop-invariant load) and picks each code's from them (tl.gather, a lookup in shared memory),
+        so a software-pipelined loop has no load per weight to copy ahead one value at a time; else
+        each code loads its own value (an L1 hit)."""
         if GATHER:
             table = tl.load(code_ptr + tl.arange(0, 16))
             return tl.gather(table, codes.reshape(codes.numel), 0).reshape(codes.shape)

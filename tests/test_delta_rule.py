@@ -90,7 +90,7 @@ def _grads(outputs, leaves, out_grads):
 def output_place(request, monkeypatch):
     """The forward's output formed inside the scan's loop, or chunk-parallel from the states the scan
     stores (the delta rule picks by how many scan programs an SM gets): each must be right."""
-    monkeypatch.setattr(scan, "_OUTPUT_IN_SCAN_WAVES", 0 if request.param == "in-scan" else 2**31)
+    monkeypatch.setattr(scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM", 0 if request.param == "in-scan" else 2**31)
 
 
 @pytest.mark.usefixtures("output_place")
@@ -169,6 +169,23 @@ def _assert_matches_reference(fn, leaves, doc_ids, with_state, normalize_qk=True
     names = ["dq", "dk", "dv", "dg", "dbeta", "dstate"][: len(grad_leaves)]
     for name, actual, expected in zip(names, grads, ref_grads, strict=True):
         _assert_close(actual, expected, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_output_from_the_stored_states_is_the_scans_to_the_bit(monkeypatch, dtype):
+    """The states and corrections the scan stores are rounded as its own products round them (to the
+    tables' dtype), so forming o from them chunk-parallel changes no bit of o or of the final state."""
+    q, k, v, g, beta, state = (t.detach() for t in _inputs(seed=4))
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+    outputs = {}
+    for place, per_sm in (("in-scan", 0), ("from-states", 2**31)):
+        monkeypatch.setattr(scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM", per_sm)
+        outputs[place] = gated_delta_rule(
+            q, k, v, g, beta, PACKED, initial_state=state, output_final_state=True
+        )
+    for name, in_scan, from_states in zip(["o", "final state"], *outputs.values(), strict=True):
+        assert in_scan.dtype == from_states.dtype
+        assert torch.equal(in_scan, from_states), name
 
 
 @pytest.mark.usefixtures("output_place")

@@ -697,16 +697,28 @@ def test_a_plan_over_the_memory_budget_is_a_note_saying_what_to_change(tmp_path,
     assert not any(note.startswith("memory:") for note in build_run(roomy).notes)
 
 
-def test_a_plan_over_the_memory_budget_names_the_longest_micro_batch_that_fits(tmp_path):
+@pytest.mark.parametrize("offloading", [True, False], ids=["offloading", "no-offloading"])
+def test_a_plan_over_the_memory_budget_names_the_longest_micro_batch_that_fits(tmp_path, offloading):
     """A budget just above the planner's peak for 128-token micro-batches with every layer recomputed
-    (the run asks for 256 and recomputes none): the note names 128 tokens, the most that fit."""
+    (the run asks for 256 and recomputes none): the note names 128 tokens, the most that fit, counted
+    with the offloading that recomputing would bring (here none recomputes, so none is offloaded yet)."""
     folder = tmp_path / "run"
-    config = load_config(write_run(folder, gradient_checkpointing=False))
+
+    def six_layers(model: Path) -> Path:
+        # Offloading trades each recomputed layer's kept input for two buffers: with two layers that
+        # would cost the same, so the count could not tell whether offloading was counted.
+        return add_demo_tokenizer(write_qwen3(model, vocab_size=1024, num_hidden_layers=6))
+
+    config = load_config(
+        write_run(
+            folder, model_writer=six_layers, gradient_checkpointing=False, activation_offloading=offloading
+        )
+    )
     spec = read_spec(folder / "model")
 
     def recomputed_peak(tokens: int) -> int:
         shape = RunShape(tokens, lora_config(config))
-        return estimated_peak_bytes(spec, shape, spec.num_layers)
+        return estimated_peak_bytes(spec, shape, spec.num_layers, offload=offloading)
 
     assert config.micro_batch_size * config.sequence_len == 256
     budget = (recomputed_peak(128) + recomputed_peak(129)) / 2 / 2**30

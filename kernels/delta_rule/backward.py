@@ -52,8 +52,8 @@ if TRITON_AVAILABLE:
         chunk and the dS leaving it (both stored by the scans), over Dv in blocks of BLOCK_V:
         dq = carry exp(b) dO S^T, dk = K~'s scale (delta dS^T), dW = -d delta S^T, and db's terms
         (q . dq - k . dk, with the last token taking the decays' sum and exp(b_last) S . dS).
-        Written whole for _chunk_bwd_intra_kernel to add its terms to: dq, dk and db in fp32, dW (only
-        ever a product's operand) in the tables' dtype."""
+        Written whole for _chunk_bwd_intra_kernel, which adds its terms to dq, dk and db (fp32) and
+        reads dW (only ever a product's operand, so stored in the tables' dtype)."""
         n = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)

@@ -15,7 +15,8 @@ if TRITON_AVAILABLE:
 CHUNK = 64
 
 # NOTE (tensor cores): for bf16 or fp16 inputs (TENSOR_CORE_DTYPES) the normalised q and k and the
-# chunk tables T, W, Aqk, delta and d delta are stored in the inputs' dtype, and every product of the tables and of the
+# chunk tables T, W, Aqk, delta, d delta and dW, the states and their gradients are stored in the
+# inputs' dtype, and every product of the tables and of the
 # scans (K K^T, Q K^T, T (beta V), T (beta K), W S, Q S, Aqk delta, K^T delta and their backward
 # forms) takes its operands in that dtype with fp32 accumulation (_mma): 8-16x the fp32 FMA rate on
 # Hopper. Each operand rounding is relative 2^-9 (bf16) and the state itself stays fp32 across

@@ -225,15 +225,18 @@ def _block_v(v_dim: int) -> int:
 
 # Where the forward's output is formed. Inside the scan's serial loop it adds two products to the
 # two the recurrence needs (delta = U - W S, the state's update), each chunk; with a few programs an
-# SM, their latency hides behind one another's. With fewer than this many an SM (one long row: 128
-# programs on the H200's 132 SMs), the scan stores the states instead, as backward's rerun does, and
-# output.py forms the output chunk-parallel, as flash-linear-attention splits its forward.
-_OUTPUT_IN_SCAN_WAVES = 2
+# SM, their latency hides behind one another's. With fewer than this many programs an SM (on the
+# H200's 132 SMs: the 9B's 32 v-heads in one or two rows, 128 or 256 programs; the 27B's 48 in one
+# row, 192), the scan stores the states instead, as backward's rerun does, and output.py forms the
+# output chunk-parallel, as flash-linear-attention splits its forward.
+_OUTPUT_IN_SCAN_PROGRAMS_PER_SM = 2
 
 
-def _output_in_scan(batch: int, v_heads: int, v_dim: int, device: torch.device) -> bool:
+def _output_in_scan(v: torch.Tensor) -> bool:
+    """Whether the forward scan over v's rows and heads forms the output itself."""
+    batch, _, v_heads, v_dim = v.shape
     programs = triton.cdiv(v_dim, _block_v(v_dim)) * batch * v_heads
-    return programs >= _OUTPUT_IN_SCAN_WAVES * multiprocessors(device)
+    return programs >= _OUTPUT_IN_SCAN_PROGRAMS_PER_SM * multiprocessors(v.device)
 
 
 def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states):

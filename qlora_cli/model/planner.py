@@ -143,8 +143,8 @@ def estimated_peak_bytes(spec: ModelSpec, shape: RunShape, recomputed: int, *, o
 
 def longest_micro_batch(spec: ModelSpec, shape: RunShape, limit_bytes: float, *, offload: bool) -> int:
     """The most tokens a micro-batch (micro_batch_size × sequence_len) may hold, up to `shape`'s, for the
-    planner's peak with every layer recomputed to stay within `limit_bytes`; 0 where the weights and
-    the adapter's state alone exceed it."""
+    planner's peak with every layer recomputed to stay within `limit_bytes`; 0 where even one token is
+    over (the weights, the adapter's state and the fixed working buffers)."""
 
     def fits(tokens: int) -> bool:
         return (

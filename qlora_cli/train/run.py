@@ -266,16 +266,24 @@ def _plan_memory(
     if offload and not checkpointed:
         notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
         offload = False
-    if note := _over_memory_note(spec, shape, checkpointed, offload, device):
+    # The advice's micro-batch assumes what recomputing every layer would bring, offloading included.
+    offload_recomputed = offloads_activations(offload_setting, True, spec, shape, device.type)
+    if note := _over_memory_note(spec, shape, checkpointed, offload, offload_recomputed, device):
         notes.append(note)
     return MemoryPlan(checkpointed, offload)
 
 
 def _over_memory_note(
-    spec: ModelSpec, shape: RunShape, checkpointed: int, offload: bool, device: torch.device
+    spec: ModelSpec,
+    shape: RunShape,
+    checkpointed: int,
+    offload: bool,
+    offload_recomputed: bool,
+    device: torch.device,
 ) -> str | None:
     """Where the planner's peak is over the budget, or without one over the GPU's memory: said before the
-    weights load, with what to change, though the estimate may be a few percent off either way."""
+    weights load, with what to change (the micro-batch that fits with every layer recomputed, and
+    offloaded as `offload_recomputed` says), though the estimate may be a few percent off either way."""
     if shape.budget_gb is not None:
         limit, what = shape.budget_gb * 2**30, f"memory_budget_gb {shape.budget_gb:g}"
     elif device.type == "cuda":
@@ -286,12 +294,12 @@ def _over_memory_note(
     estimate = estimated_peak_bytes(spec, shape, checkpointed, offload=offload)
     if estimate <= limit:
         return None
-    longest = longest_micro_batch(spec, shape, limit, offload=offload)
+    longest = longest_micro_batch(spec, shape, limit, offload=offload_recomputed)
     if longest:
         fitting = f"with every layer recomputed, micro-batches of up to {longest} tokens fit"
     else:
         one_token = estimated_peak_bytes(
-            spec, dataclasses.replace(shape, tokens=1), spec.num_layers, offload=offload
+            spec, dataclasses.replace(shape, tokens=1), spec.num_layers, offload=offload_recomputed
         )
         fitting = f"even a micro-batch of one token comes to {one_token / 2**30:.3g} GiB"
     return (
