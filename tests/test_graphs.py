@@ -10,8 +10,10 @@ from checkpoints import write_qwen3_5_moe, write_run
 
 import qlora_cli.model.lora as model_module
 from qlora_cli.config.loading import load_config
+from qlora_cli.core.errors import OutOfMemory
 from qlora_cli.data.examples import BatchPlan
 from qlora_cli.model.layers import layer_groups
+from qlora_cli.rundir.names import LOG_FILE
 from qlora_cli.sources.spec import FULL_ATTENTION
 from qlora_cli.train.graphs import GraphedLoss, cuda_graph_blocker
 from qlora_cli.train.loop import train
@@ -236,7 +238,8 @@ def test_a_padded_batch_draws_the_short_ones_dropout_masks(tmp_path, monkeypatch
 def test_running_out_of_memory_mid_capture_is_reported_as_such():
     """An allocation that fails while work forked to a side stream is still open (an offloaded layer's
     copy in flight) leaves the capture unjoined; the error raised is the out-of-memory one, not the
-    capture's own "unjoined work" that would otherwise replace it. Last in the file: the capture fails."""
+    capture's own "unjoined work" that would otherwise replace it. After the tests that replay graphs,
+    as are the two after it: their captures fail."""
     side, weight = torch.cuda.Stream(CUDA), torch.ones(4, device=CUDA, requires_grad=True)
 
     def loss_fn(values, labels):
@@ -255,3 +258,57 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
     side.synchronize()
     assert not torch.cuda.is_current_stream_capturing()
     assert torch.ones(4, device=CUDA).sum().item() == 4
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_capture_out_of_memory_goes_on_eagerly_under_auto():
+    """With eager_when_out_of_memory (cuda_graphs: auto), the micro-batch whose capture ran out of
+    memory and every later one run eagerly and accumulate what eager calls do; the note comes once."""
+    side, weight = torch.cuda.Stream(CUDA), torch.ones(4, device=CUDA, requires_grad=True)
+
+    def loss_fn(values, labels):
+        side.wait_stream(torch.cuda.current_stream(CUDA))
+        with torch.cuda.stream(side):
+            torch.ones(4, device=CUDA).mul_(2)
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return (weight * values).sum(), labels
+
+    graphed = GraphedLoss(loss_fn, CUDA, vocab_size=8, eager_when_out_of_memory=True)
+    values = torch.arange(4.0, device=CUDA)
+    inputs = [values, torch.zeros(4, dtype=torch.long, device=CUDA)]
+    losses = [graphed(inputs, 1, 0.5).item() for _ in range(3)]
+    assert losses == [6.0, 6.0, 6.0]
+    torch.testing.assert_close(weight.grad, 3 * 0.5 * values, rtol=0, atol=0)
+    assert graphed.graph is None and graphed.eager_only
+    assert "ran out of GPU memory" in graphed.fallback_note()
+    assert graphed.fallback_note() is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_train_goes_on_without_graphs_when_their_capture_runs_out_of_memory(
+    tmp_path, deterministic_algorithms
+):
+    """`qlora train` with cuda_graphs auto, its capture failing for memory inside a layer: a note, and
+    the run trains as cuda_graphs false does (the same losses); cuda_graphs true stops instead.
+    Deterministic algorithms: both runs launch op by op, so only atomics' order could tell them apart."""
+    settings = dict(device="cuda", sample_packing=True, gradient_checkpointing=True, max_steps=4)
+
+    def capture_fails(module, args):
+        if type(module).__name__ == "DecoderLayer" and torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(capture_fails)
+    try:
+        fallen_back = train(load_config(write_run(tmp_path / "auto", **settings)))
+        with pytest.raises(OutOfMemory):
+            train(load_config(write_run(tmp_path / "insisted", cuda_graphs=True, **settings)))
+    finally:
+        hook.remove()
+    eager = train(load_config(write_run(tmp_path / "eager", cuda_graphs=False, **settings)))
+    log = (fallen_back.output_dir / LOG_FILE).read_text()
+    assert log.count("capturing the step's graph ran out of GPU memory") == 1
+    got, expected = _records(fallen_back.output_dir), _records(eager.output_dir)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)

@@ -44,13 +44,14 @@ def cuda_graph_blocker(config: TrainConfig, device: torch.device, world_size: in
 def graphed_loss_for(
     config: TrainConfig, loss_fn: LossFn, device: torch.device, vocab_size: int, world_size: int
 ) -> GraphedLoss | None:
-    """What `cuda_graphs` asks for: `auto` replays graphs where the run allows them, `true` insists
-    (an error names what stands in the way), `false` launches op by op."""
+    """What `cuda_graphs` asks for: `auto` replays graphs where the run allows them (and launches op
+    by op if capturing runs out of memory), `true` insists (an error names what stands in the way),
+    `false` launches op by op."""
     if config.cuda_graphs is False:
         return None
     blocker = cuda_graph_blocker(config, device, world_size)
     if blocker is None:
-        return GraphedLoss(loss_fn, device, vocab_size)
+        return GraphedLoss(loss_fn, device, vocab_size, eager_when_out_of_memory=config.cuda_graphs == "auto")
     if config.cuda_graphs is True:
         raise QLoraError(f"config key 'cuda_graphs' is true, but {blocker}; set it to auto or false")
     return None
@@ -62,9 +63,20 @@ class GraphedLoss:
     The first call runs eagerly: it trains like any other micro-batch and compiles every Triton
     kernel the step uses, which a capture cannot do. The second call captures the graph; it and
     every later call copy their inputs into the graph's own tensors and replay it.
+    With `eager_when_out_of_memory`, a capture that runs out of memory is dropped with its memory,
+    and that call and every later one run eagerly, as the first did at the same shape, so a run at
+    the edge of the GPU's memory goes on, slower; `fallback_note` says so once.
     """
 
-    def __init__(self, loss_fn: LossFn, device: torch.device, vocab_size: int, ignore_index: int = -100):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        device: torch.device,
+        vocab_size: int,
+        ignore_index: int = -100,
+        *,
+        eager_when_out_of_memory: bool = False,
+    ):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.loss_fn = loss_fn
@@ -76,6 +88,9 @@ class GraphedLoss:
         self.scale = torch.zeros((), dtype=torch.float32, device=device)
         self.loss_sum: torch.Tensor | None = None
         self.calls = 0
+        self.eager_when_out_of_memory = eager_when_out_of_memory
+        self.eager_only = False
+        self._note: str | None = None
 
     @property
     def shape(self) -> torch.Size | None:
@@ -88,10 +103,16 @@ class GraphedLoss:
         """This micro-batch's summed loss, after its backward; `inputs[labels_index]` are the labels."""
         check_labels_in_vocab(inputs[labels_index], self.vocab_size, self.ignore_index)
         self.calls += 1
-        if self.calls == 1:
+        if self.calls == 1 or self.eager_only:
             return self._eager(inputs, scale)
         if self.graph is None:
-            self._capture(inputs)
+            try:
+                self._capture(inputs)
+            except torch.OutOfMemoryError:
+                if not self.eager_when_out_of_memory:
+                    raise
+                self._drop_capture()
+                return self._eager(inputs, scale)
         elif inputs[0].shape != self.shape:
             raise ValueError(f"a CUDA graph replays shape {tuple(self.shape)}, got {tuple(inputs[0].shape)}")
         for static, tensor in zip(self.inputs, inputs, strict=True):
@@ -100,6 +121,20 @@ class GraphedLoss:
         self.scale.fill_(scale)
         self.graph.replay()
         return self.loss_sum.clone()
+
+    def fallback_note(self) -> str | None:
+        """Once, after a capture ran out of memory: that the run goes on without graphs."""
+        note, self._note = self._note, None
+        return note
+
+    def _drop_capture(self) -> None:
+        self.graph, self.inputs, self.loss_sum, self.eager_only = None, [], None, True
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self._note = (
+            "cuda_graphs: capturing the step's graph ran out of GPU memory, so the run goes on launching "
+            "op by op, as its first step did (slower); cuda_graphs: false skips the capture"
+        )
 
     def _eager(self, inputs, scale: float) -> torch.Tensor:
         """On a side stream, as the capture's warm-up must run (torch.cuda.graphs)."""

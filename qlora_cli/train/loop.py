@@ -404,6 +404,8 @@ def _train(
                 signals.training(step + 1)
                 with observe_step(run.device) if observe_step else contextlib.nullcontext():
                     outcome = _run_step(run, step, watchdog, last_checkpoint)
+                if run.graphed is not None and (note := run.graphed.fallback_note()):
+                    out.print(f"[yellow]note:[/] {escape(note)}")
                 done, loss = step + 1, outcome.loss
                 window.add(outcome)
                 record = window.close(done, outcome.grad_norm) if window.due(done) else None
