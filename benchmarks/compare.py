@@ -157,7 +157,12 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
     ids, labels = _batch(spec.vocab_size, args)
     position_ids, doc_ids = _packing(args)
     count = labels.numel()
-    graphed = GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size) if graphs else None
+    # As cuda_graphs auto trains: op by op after a capture that runs out of memory (said in the result).
+    graphed = (
+        GraphedLoss(model.loss, torch.device(args.device), spec.vocab_size, eager_when_out_of_memory=True)
+        if graphs
+        else None
+    )
 
     steps = iter(range(1 << 62))
 
@@ -175,6 +180,7 @@ def run_qlora(args, graphs: bool, fp8: bool = False) -> dict:
         "recomputed_layers": recompute,
         "offloaded": offload,
         "estimated_peak_gib": estimate,
+        "graphs_fell_back": graphed is not None and graphed.eager_only,
     }
 
 
@@ -372,6 +378,8 @@ def main() -> None:
         )
         if "estimated_peak_gib" in r:
             print(f"{'':<20}planner's estimate of the peak: {r['estimated_peak_gib']:.2f} GiB")
+        if r.get("graphs_fell_back"):
+            print(f"{'':<20}its CUDA graph's capture ran out of memory: the timed steps ran op by op")
     for name, r in results.items():
         if r.get("kernels_ms"):
             print(f"{LABELS[name]}, one step")
