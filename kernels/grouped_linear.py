@@ -258,6 +258,7 @@ if TRITON_AVAILABLE:
         w_out,
         w_in,
         a_row_stride,
+        out_row_stride,
         weight_expert_stride,
         absmax_expert_stride,
         nested_expert_stride,
@@ -272,11 +273,12 @@ if TRITON_AVAILABLE:
         DOUBLE_QUANT: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr,
         GATHER_CODES: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
     ):
         """One program: BLOCK_M rows of one expert times BLOCK_N output columns. Its expert is the
         last whose first row tile (tile_starts, exclusive sums of each expert's tiles) is at or
         before the program's; programs past the last tile return. out = a W_e^T, or with
-        TRANSPOSED (backward's dx = dy W_e) a W_e."""
+        TRANSPOSED (backward's dx = dy W_e) a W_e; ACCUMULATE adds it to what out holds."""
         tile = tl.program_id(0)
         experts = tl.arange(0, BLOCK_E)
         starts = tl.load(tile_starts_ptr + experts, mask=experts < n_experts, other=2**30)
@@ -349,7 +351,9 @@ if TRITON_AVAILABLE:
                 )
                 acc += tl.dot(a, tl.trans(w))
         mask = row_mask[:, None] & (cols < out_cols)[None, :]
-        out_at = out_ptr + rows[:, None].to(tl.int64) * out_cols + cols[None, :]
+        out_at = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_at, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -379,10 +383,19 @@ _NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 2
 _NF4_GATHER_CODES = True
 
 
-def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torch.Tensor, transposed: bool):
-    """a [N, inner] by each expert's weight: out [N, in] if transposed, else [N, out]; rows outside
-    every expert's range are zero."""
-    a = a.contiguous()
+def _grouped_matmul(
+    a: torch.Tensor,
+    weight: GroupedWeight,
+    expert_offsets: torch.Tensor,
+    transposed: bool,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """a [N, inner] (rows may be strided) by each expert's weight: [N, in] if transposed, else [N, out];
+    rows outside every expert's range are zero. Into `out` (a view whose rows may be strided) when
+    given, added to what it holds with `accumulate`."""
+    if a.stride(-1) != 1:
+        a = a.contiguous()
     experts, w_out, w_in = _shape(weight)
     inner, out_cols = (w_out, w_in) if transposed else (w_in, w_out)
     quantized = isinstance(weight, GroupedNF4Weight)
@@ -415,7 +428,8 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
     tiles = (expert_offsets[1:] - expert_offsets[:-1] + block_m - 1) // block_m
     tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
-    out = torch.zeros(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.zeros(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
     code, _, dynamic_map = _tables(a.device)
     grid = (triton.cdiv(a.shape[0], block_m) + experts, triton.cdiv(out_cols, block_n))
     _grouped_matmul_kernel[grid](
@@ -433,6 +447,7 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         w_out,
         w_in,
         a.stride(0),
+        out.stride(0),
         *(tensor.stride(0) for tensor in tensors),
         TRANSPOSED=transposed,
         QUANTIZED=quantized,
@@ -445,6 +460,7 @@ def _grouped_matmul(a: torch.Tensor, weight: GroupedWeight, expert_offsets: torc
         DOUBLE_QUANT=quantized and weight.double_quant,
         WHOLE_BLOCKS=whole_blocks,
         GATHER_CODES=_NF4_GATHER_CODES,
+        ACCUMULATE=accumulate,
         num_warps=warps,
         num_stages=stages,
     )
@@ -471,6 +487,30 @@ class GroupedLinearFunction(torch.autograd.Function):
         return _grouped_matmul(dy, ctx.weight, expert_offsets, transposed=True), None, None
 
 
+class GroupedPairFunction(torch.autograd.Function):
+    """Two weights' products of the same rows written side by side, [first | second]; backward adds
+    both input gradients in one buffer (the second GEMM accumulates into the first's output)."""
+
+    @staticmethod
+    def forward(ctx, x, first: GroupedWeight, second: GroupedWeight, expert_offsets):
+        ctx.weights = first, second
+        ctx.save_for_backward(expert_offsets)
+        split = _shape(first)[1]
+        out = torch.zeros(x.shape[0], split + _shape(second)[1], dtype=x.dtype, device=x.device)
+        _grouped_matmul(x, first, expert_offsets, transposed=False, out=out[:, :split])
+        _grouped_matmul(x, second, expert_offsets, transposed=False, out=out[:, split:])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        (expert_offsets,) = ctx.saved_tensors
+        first, second = ctx.weights
+        split = _shape(first)[1]
+        dx = _grouped_matmul(dy[:, :split], first, expert_offsets, transposed=True)
+        _grouped_matmul(dy[:, split:], second, expert_offsets, transposed=True, out=dx, accumulate=True)
+        return dx, None, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Public
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +533,24 @@ def grouped_linear(x: torch.Tensor, weight: GroupedWeight, expert_offsets: torch
     if use_triton(x):
         return GroupedLinearFunction.apply(x, weight, expert_offsets)
     return grouped_linear_reference(x, weight, expert_offsets)
+
+
+def grouped_linear_pair(
+    x: torch.Tensor, first: GroupedWeight, second: GroupedWeight, expert_offsets: torch.Tensor
+) -> torch.Tensor:
+    """[grouped_linear(x, first) | grouped_linear(x, second)] (a MoE's gate and up, which SwiGLU reads
+    side by side), written in place and differentiated in x with one input-gradient buffer."""
+    _check(x, first, expert_offsets)
+    _check(x, second, expert_offsets)
+    if use_triton(x):
+        return GroupedPairFunction.apply(x, first, second, expert_offsets)
+    return torch.cat(
+        [
+            grouped_linear_reference(x, first, expert_offsets),
+            grouped_linear_reference(x, second, expert_offsets),
+        ],
+        -1,
+    )
 
 
 def dequantize_grouped_nf4(weight: GroupedNF4Weight) -> torch.Tensor:

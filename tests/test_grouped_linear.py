@@ -9,9 +9,11 @@ from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.grouped_linear import (
     GroupedLinearFunction,
     GroupedNF4Weight,
+    GroupedPairFunction,
     dequantize_grouped_nf4,
     expert_weight,
     grouped_linear,
+    grouped_linear_pair,
     grouped_linear_reference,
     quantize_grouped_nf4,
 )
@@ -108,6 +110,29 @@ def test_grouped_gemm_matches_each_rows_expert_forward_and_backward(routing, for
     torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["nf4", "nf4 partial blocks", "dense"])
+def test_a_pair_is_the_two_products_side_by_side_and_sums_their_input_gradients(form):
+    """A MoE's gate and up: [x W_first^T | x W_second^T] of each row's own experts (out 136 and 72, so
+    the second half starts mid-tile of the first's columns), and dx the sum of both products' input
+    gradients, read from dy's strided halves. A second product that overwrote the first's dx, or a
+    half written at the other's columns, fails it."""
+    store, out_features, in_features = WEIGHTS[form]
+    routing = ROUTINGS[0]
+    first = store(_weights(len(routing), out_features, in_features, seed=5))
+    second = store(_weights(len(routing), 72, in_features, seed=6))
+    offsets = _offsets(routing)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(routing), in_features, generator=generator, requires_grad=True)
+    dy = torch.randn(sum(routing), out_features + 72, generator=generator)
+    y = grouped_linear_pair(x, first, second, offsets)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert y.grad_fn.name().startswith(GroupedPairFunction.__name__)
+
+    dense = torch.cat([_dense_per_row(first, routing), _dense_per_row(second, routing)], dim=1)
+    torch.testing.assert_close(y, torch.einsum("ni,noi->no", x.detach(), dense), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, torch.einsum("no,noi->ni", dy, dense), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("form", sorted(WEIGHTS))
 def test_the_reference_matches_each_rows_expert(form, reference_ops):
     store, out_features, in_features = WEIGHTS[form]
@@ -163,6 +188,27 @@ def test_gpu_bf16_grouped_gemm_against_fp32(routing, quantized):
     expected_dx = torch.cat(
         [dy[a:b].float() @ w for a, b, w in zip(bounds[:-1], bounds[1:], dense, strict=True)]
     )
+    torch.testing.assert_close(y.float(), expected.detach(), atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(dx.float(), expected_dx, atol=5e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_pair_against_fp32():
+    """The gate/up pair in bf16 at Qwen3.5-35B-A3B's expert shape (2 x 512 out, 2048 in): each half
+    and the summed input gradient (sums of 1024 products, about 1.4 in size) within bf16's rounding
+    of the output, as above."""
+    routing = [300, 0, 17, 1000, 64]
+    first, second = (quantize_grouped_nf4(_weights(5, 512, 2048, seed=s).cuda().bfloat16()) for s in (8, 9))
+    offsets = _offsets(routing).cuda()
+    x = torch.randn(sum(routing), 2048, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(routing), 1024, device="cuda").bfloat16()
+    y = grouped_linear_pair(x, first, second, offsets)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    bounds = offsets.tolist()
+    dense = [torch.cat([expert_weight(first, e), expert_weight(second, e)]).float() for e in range(5)]
+    pairs = list(zip(bounds[:-1], bounds[1:], dense, strict=True))
+    expected = torch.cat([x[a:b].float() @ w.T for a, b, w in pairs])
+    expected_dx = torch.cat([dy[a:b].float() @ w for a, b, w in pairs])
     torch.testing.assert_close(y.float(), expected.detach(), atol=5e-2, rtol=1e-2)
     torch.testing.assert_close(dx.float(), expected_dx, atol=5e-2, rtol=1e-2)
 

@@ -26,7 +26,8 @@ from qlora_cli.model.modes import Projections
 from qlora_cli.sources.spec import ModelSpec
 from qlora_kernels.expert_rows import combine_rows, spread_rows
 from qlora_kernels.formats import FrozenFormat
-from qlora_kernels.grouped_linear import GroupedWeight, grouped_linear
+from qlora_kernels.grouped_linear import GroupedWeight, grouped_linear, grouped_linear_pair
+from qlora_kernels.swiglu import swiglu
 
 # The projections of a routed expert, in the order it holds them.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -87,12 +88,12 @@ class MoEMLP(nn.Module):
     @staticmethod
     def kept_activations(spec: ModelSpec) -> int:
         """Values a token keeps for the MLP's backward (bf16 units): the shared expert's gate/up output;
-        per routed copy, gate's and up's outputs and SwiGLU's (the grouped GEMMs keep no input), the
-        expert's output and the weight that multiplies it; the router's fp32 probabilities, and its
+        per routed copy, gate's and up's outputs (fused SwiGLU recomputes its own; the grouped GEMMs
+        keep no input), the expert's output and the weight that multiplies it; the router's fp32 probabilities, and its
         fp32 top k and their sum where they are renormalised; in int64, the experts it chose (the top k's
         indices) and where its copies sit among the sorted rows."""
         moe = spec.moe
-        routed = moe.top_k * (3 * moe.expert_intermediate_size + spec.hidden_size + 1)
+        routed = moe.top_k * (2 * moe.expert_intermediate_size + spec.hidden_size + 1)
         router = 2 * moe.num_experts + (2 * moe.top_k + 2 if moe.norm_topk_prob else 0)
         return 2 * moe.shared_expert_intermediate_size + routed + router + 2 * 4 * moe.top_k
 
@@ -107,11 +108,11 @@ class MoEMLP(nn.Module):
 
     @staticmethod
     def backward_working_bytes(spec: ModelSpec, tokens: int) -> int:
-        """What its backward holds at once: the rerun's routed activations, and their gradients (the
-        expert outputs' and the sorted rows', gate's, up's and SwiGLU's), for every copy; the shared
-        expert runs unsliced beside them."""
+        """What its backward holds at once: the rerun's routed activations (gate/up's output and the
+        experts'), and their gradients (the expert outputs' and the sorted rows', gate's, up's and
+        SwiGLU's), for every copy; the shared expert runs unsliced beside them."""
         moe = spec.moe
-        routed = moe.top_k * (3 * moe.expert_intermediate_size + spec.hidden_size)
+        routed = moe.top_k * (2 * moe.expert_intermediate_size + spec.hidden_size)
         gradients = moe.top_k * (3 * moe.expert_intermediate_size + 2 * spec.hidden_size)
         shared = 4 * moe.shared_expert_intermediate_size
         return tokens * (routed + gradients + shared) * 2
@@ -138,17 +139,17 @@ class MoEMLP(nn.Module):
         copies = torch.arange(order.numel(), device=x.device, dtype=order.dtype)
         positions = torch.empty_like(order).scatter_(0, order, copies).view(experts.shape)
         rows = spread_rows(x, positions)
-        gate = grouped_linear(rows, self.experts["gate_proj"], expert_offsets)
-        up = grouped_linear(rows, self.experts["up_proj"], expert_offsets)
+        gate_up = grouped_linear_pair(
+            rows, self.experts["gate_proj"], self.experts["up_proj"], expert_offsets
+        )
         lora = self.expert_lora
         switch = project.adapter_scale if lora is not None else None
         if (
             lora is not None
-            and (gate_up := lora.delta("gate_up_proj", rows, expert_offsets, switch)) is not None
+            and (delta := lora.delta("gate_up_proj", rows, expert_offsets, switch)) is not None
         ):
-            gate_delta, up_delta = gate_up.split(self.intermediate_size, dim=-1)
-            gate, up = gate + gate_delta, up + up_delta
-        activation = F.silu(gate) * up
+            gate_up = gate_up + delta
+        activation = swiglu(gate_up)
         routed = grouped_linear(activation, self.experts["down_proj"], expert_offsets)
         if (
             lora is not None
