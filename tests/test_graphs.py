@@ -233,14 +233,10 @@ def test_a_padded_batch_draws_the_short_ones_dropout_masks(tmp_path, monkeypatch
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_running_out_of_memory_mid_capture_is_reported_as_such():
-    """An allocation that fails while work forked to a side stream is still open (an offloaded layer's
-    copy in flight) leaves the capture unjoined; the error raised is the out-of-memory one, not the
-    capture's own "unjoined work" that would otherwise replace it. After the tests that replay graphs,
-    as are the two after it: their captures fail."""
-    side, weight = torch.cuda.Stream(CUDA), torch.ones(4, device=CUDA, requires_grad=True)
+def _capture_runs_out_of_memory(weight: torch.Tensor):
+    """(loss_fn, its side stream): (weight * values).sum(), with a copy forked to the side stream
+    still open when, captured, it runs out of memory (as an offloaded layer's copy would be)."""
+    side = torch.cuda.Stream(CUDA)
 
     def loss_fn(values, labels):
         side.wait_stream(torch.cuda.current_stream(CUDA))
@@ -250,6 +246,18 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return (weight * values).sum(), labels
 
+    return loss_fn, side
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_running_out_of_memory_mid_capture_is_reported_as_such():
+    """An allocation that fails while work forked to a side stream is still open (an offloaded layer's
+    copy in flight) leaves the capture unjoined; the error raised is the out-of-memory one, not the
+    capture's own "unjoined work" that would otherwise replace it. After the tests that replay graphs,
+    as are the two after it: their captures fail."""
+    weight = torch.ones(4, device=CUDA, requires_grad=True)
+    loss_fn, side = _capture_runs_out_of_memory(weight)
     graphed = GraphedLoss(loss_fn, CUDA, vocab_size=8)
     inputs = [torch.ones(4, device=CUDA), torch.zeros(4, dtype=torch.long, device=CUDA)]
     graphed(inputs, 1, 1.0)
@@ -265,16 +273,8 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
 def test_a_capture_out_of_memory_goes_on_eagerly_under_auto():
     """With eager_when_out_of_memory (cuda_graphs: auto), the micro-batch whose capture ran out of
     memory and every later one run eagerly and accumulate what eager calls do; the note comes once."""
-    side, weight = torch.cuda.Stream(CUDA), torch.ones(4, device=CUDA, requires_grad=True)
-
-    def loss_fn(values, labels):
-        side.wait_stream(torch.cuda.current_stream(CUDA))
-        with torch.cuda.stream(side):
-            torch.ones(4, device=CUDA).mul_(2)
-        if torch.cuda.is_current_stream_capturing():
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return (weight * values).sum(), labels
-
+    weight = torch.ones(4, device=CUDA, requires_grad=True)
+    loss_fn, _ = _capture_runs_out_of_memory(weight)
     graphed = GraphedLoss(loss_fn, CUDA, vocab_size=8, eager_when_out_of_memory=True)
     values = torch.arange(4.0, device=CUDA)
     inputs = [values, torch.zeros(4, dtype=torch.long, device=CUDA)]
