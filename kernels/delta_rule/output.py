@@ -39,8 +39,9 @@ if TRITON_AVAILABLE:
         BLOCK_V: tl.constexpr,
     ):
         """Per chunk and v-head, over Dv in blocks of BLOCK_V: o = (carry exp(b) Q) S + Aqk delta, from
-        the state S entering the chunk and the corrections delta (both in the tables' dtype, as the
-        scan rounds them for its own products, so o is the scan's to the bit)."""
+        the state S entering the chunk and the corrections delta, stored in the tables' dtype: rounded
+        as the scan rounds them for its own products, so o comes out as the scan's would (to the bit
+        in the interpreter tests)."""
         n = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)

@@ -88,10 +88,10 @@ class MoEMLP(nn.Module):
     @staticmethod
     def kept_activations(spec: ModelSpec) -> int:
         """Values a token keeps for the MLP's backward (bf16 units): the shared expert's gate/up output;
-        per routed copy, gate's and up's outputs (fused SwiGLU recomputes its own; the grouped GEMMs
-        keep no input), the expert's output and the weight that multiplies it; the router's fp32 probabilities, and its
-        fp32 top k and their sum where they are renormalised; in int64, the experts it chose (the top k's
-        indices) and where its copies sit among the sorted rows."""
+        per routed copy, gate's and up's outputs (the fused SwiGLU recomputes its own; the grouped
+        GEMMs keep no input), the expert's output and the weight that multiplies it; the router's
+        fp32 probabilities, and its fp32 top k and their sum where they are renormalised; in int64,
+        the experts it chose (the top k's indices) and where its copies sit among the sorted rows."""
         moe = spec.moe
         routed = moe.top_k * (2 * moe.expert_intermediate_size + spec.hidden_size + 1)
         router = 2 * moe.num_experts + (2 * moe.top_k + 2 if moe.norm_topk_prob else 0)
