@@ -241,6 +241,36 @@ if TRITON_AVAILABLE:
         return tile.to(dtype)
 
     @triton.jit
+    def _zero_uncovered_rows(
+        out_ptr,
+        expert_offsets_ptr,
+        n_experts,
+        n_rows,
+        out_cols,
+        out_row_stride,
+        spare,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Spare program `spare` (counted from the first past the last tile) zeroes BLOCK_M rows that no
+        expert covers: those before the first expert's, then those after the last's. The launcher's
+        two extra programs make the spare ones enough for both (each expert adds at most one partial
+        tile), so the output needs no zeroed allocation."""
+        covered_start = tl.load(expert_offsets_ptr)
+        covered_end = tl.load(expert_offsets_ptr + n_experts)
+        head_tiles = tl.cdiv(covered_start, BLOCK_M)
+        local = tl.arange(0, BLOCK_M)
+        in_head = spare < head_tiles
+        rows = tl.where(
+            in_head, spare * BLOCK_M + local, covered_end + (spare - head_tiles) * BLOCK_M + local
+        )
+        row_mask = tl.where(in_head, rows < covered_start, rows < n_rows)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < out_cols)[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :], zeros, mask=mask)
+
+    @triton.jit
     def _grouped_matmul_kernel(
         a_ptr,
         weight_ptr,
@@ -253,6 +283,7 @@ if TRITON_AVAILABLE:
         tile_starts_ptr,
         out_ptr,
         n_experts,
+        n_rows,
         inner,
         out_cols,
         w_out,
@@ -277,13 +308,27 @@ if TRITON_AVAILABLE:
     ):
         """One program: BLOCK_M rows of one expert times BLOCK_N output columns. Its expert is the
         last whose first row tile (tile_starts, exclusive sums of each expert's tiles) is at or
-        before the program's; programs past the last tile return. out = a W_e^T, or with
-        TRANSPOSED (backward's dx = dy W_e) a W_e; ACCUMULATE adds it to what out holds."""
+        before the program's; programs past the last tile zero the rows no expert covers (unless
+        ACCUMULATE) and return. out = a W_e^T, or with TRANSPOSED (backward's dx = dy W_e) a W_e;
+        ACCUMULATE adds it to what out holds."""
         tile = tl.program_id(0)
         experts = tl.arange(0, BLOCK_E)
         starts = tl.load(tile_starts_ptr + experts, mask=experts < n_experts, other=2**30)
         expert = tl.sum((starts <= tile).to(tl.int32)) - 1
-        if tile >= tl.load(tile_starts_ptr + n_experts):
+        n_tiles = tl.load(tile_starts_ptr + n_experts)
+        if tile >= n_tiles:
+            if not ACCUMULATE:
+                _zero_uncovered_rows(
+                    out_ptr,
+                    expert_offsets_ptr,
+                    n_experts,
+                    n_rows,
+                    out_cols,
+                    out_row_stride,
+                    tile - n_tiles,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
             return
         first_row = tl.load(expert_offsets_ptr + expert)
         end_row = tl.load(expert_offsets_ptr + expert + 1)
@@ -393,7 +438,7 @@ def _grouped_matmul(
 ) -> torch.Tensor:
     """a [N, inner] (rows may be strided) by each expert's weight: [N, in] if transposed, else [N, out];
     rows outside every expert's range are zero. Into `out` (a view whose rows may be strided) when
-    given, added to what it holds with `accumulate`."""
+    given, all of it written, or added to what it holds with `accumulate`."""
     if a.stride(-1) != 1:
         a = a.contiguous()
     experts, w_out, w_in = _shape(weight)
@@ -429,9 +474,10 @@ def _grouped_matmul(
     tile_starts = torch.zeros(experts + 1, dtype=torch.int32, device=a.device)
     torch.cumsum(tiles, 0, out=tile_starts[1:])
     if out is None:
-        out = torch.zeros(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
+        out = torch.empty(a.shape[0], out_cols, dtype=a.dtype, device=a.device)
     code, _, dynamic_map = _tables(a.device)
-    grid = (triton.cdiv(a.shape[0], block_m) + experts, triton.cdiv(out_cols, block_n))
+    # Every expert's tiles, and spare programs that zero the rows no expert covers (_zero_uncovered_rows).
+    grid = (triton.cdiv(a.shape[0], block_m) + experts + 2, triton.cdiv(out_cols, block_n))
     _grouped_matmul_kernel[grid](
         a,
         *tensors,
@@ -442,6 +488,7 @@ def _grouped_matmul(
         tile_starts,
         out,
         experts,
+        a.shape[0],
         inner,
         out_cols,
         w_out,
@@ -496,7 +543,7 @@ class GroupedPairFunction(torch.autograd.Function):
         ctx.weights = first, second
         ctx.save_for_backward(expert_offsets)
         split = _shape(first)[1]
-        out = torch.zeros(x.shape[0], split + _shape(second)[1], dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], split + _shape(second)[1], dtype=x.dtype, device=x.device)
         _grouped_matmul(x, first, expert_offsets, transposed=False, out=out[:, :split])
         _grouped_matmul(x, second, expert_offsets, transposed=False, out=out[:, split:])
         return out

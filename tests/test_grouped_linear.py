@@ -10,6 +10,7 @@ from qlora_kernels.grouped_linear import (
     GroupedLinearFunction,
     GroupedNF4Weight,
     GroupedPairFunction,
+    _grouped_matmul,
     dequantize_grouped_nf4,
     expert_weight,
     grouped_linear,
@@ -156,6 +157,38 @@ def test_rows_past_the_last_expert_are_zero_in_the_kernel():
     y = grouped_linear(x, weight, torch.tensor([0, 3, 7]))
     assert torch.equal(y[7:], torch.zeros(3, 64))
     torch.testing.assert_close(y, grouped_linear_reference(x, weight, torch.tensor([0, 3, 7])))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "input-gradient"])
+@pytest.mark.parametrize("form", ["nf4", "dense"])
+@pytest.mark.parametrize(
+    ("offsets", "rows"),
+    [([5, 8, 8, 140], 300), ([130, 131, 132, 133], 400)],
+    ids=["head-and-tail", "one-row-experts-between-long-head-and-tail"],
+)
+def test_the_kernel_writes_zeros_where_no_expert_covers_a_row(transposed, form, offsets, rows):
+    """The output is allocated unzeroed: rows before the first expert's and after the last's are zeroed
+    by the launch's spare programs, enough for both however the experts' partial tiles fall. A buffer
+    of NaN stands for whatever memory the allocator hands out."""
+    store, out_features, in_features = WEIGHTS[form]
+    weight = store(_weights(len(offsets) - 1, out_features, in_features))
+    width = in_features if transposed else out_features
+    x = torch.randn(
+        rows, out_features if transposed else in_features, generator=torch.Generator().manual_seed(8)
+    )
+    out = torch.full((rows, width), float("nan"))
+    _grouped_matmul(x, weight, torch.tensor(offsets), transposed, out=out)
+    start, end = offsets[0], offsets[-1]
+    assert torch.equal(out[:start], torch.zeros(start, width))
+    assert torch.equal(out[end:], torch.zeros(rows - end, width))
+    dense = _dense_per_row(weight, [b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+    covered = x[start:end]
+    expected = (
+        torch.einsum("no,noi->ni", covered, dense)
+        if transposed
+        else torch.einsum("ni,noi->no", covered, dense)
+    )
+    torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_refused():
