@@ -15,8 +15,8 @@ TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times an
 kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
 copy, so that a change's before and after come from one call. Each `--variant` also times our NF4
 kernel with launch settings replaced: rows of one expert a program (`rows`), output columns (`cols`),
-inner step (`inner`), `warps`, `stages` and whether NF4 codes are gathered from the 16 values read
-once or each loaded (`gather=1/0`) (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
+inner step (`inner`), `warps`, `stages` and whether NF4 codes are picked from the 16 values (tl.gather)
+or each load its own (`gather=1/0`) (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
 _NF4_WARPS, _NF4_STAGES, _NF4_GATHER_CODES; NF4 tiles stay whole quantization blocks wide).
 """
 
