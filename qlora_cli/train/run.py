@@ -266,9 +266,7 @@ def _plan_memory(
     if offload and not checkpointed:
         notes.append("activation_offloading: no layer recomputes in backward, so nothing is offloaded")
         offload = False
-    # The advice's micro-batch assumes what recomputing every layer would bring, offloading included.
-    offload_recomputed = offloads_activations(offload_setting, True, spec, shape, device.type)
-    if note := _over_memory_note(spec, shape, checkpointed, offload, offload_recomputed, device):
+    if note := _over_memory_note(spec, shape, checkpointed, offload, offload_setting, device):
         notes.append(note)
     return MemoryPlan(checkpointed, offload)
 
@@ -278,12 +276,12 @@ def _over_memory_note(
     shape: RunShape,
     checkpointed: int,
     offload: bool,
-    offload_recomputed: bool,
+    offload_setting: bool | str,
     device: torch.device,
 ) -> str | None:
     """Where the planner's peak is over the budget, or without one over the GPU's memory: said before the
-    weights load, with what to change (the micro-batch that fits with every layer recomputed, and
-    offloaded as `offload_recomputed` says), though the estimate may be a few percent off either way."""
+    weights load, with what to change (the micro-batch that fits with every layer recomputed, offloaded
+    as `offload_setting` would then have it), though the estimate may be a few percent off either way."""
     if shape.budget_gb is not None:
         limit, what = shape.budget_gb * 2**30, f"memory_budget_gb {shape.budget_gb:g}"
     elif device.type == "cuda":
@@ -294,6 +292,7 @@ def _over_memory_note(
     estimate = estimated_peak_bytes(spec, shape, checkpointed, offload=offload)
     if estimate <= limit:
         return None
+    offload_recomputed = offloads_activations(offload_setting, True, spec, shape, device.type)
     longest = longest_micro_batch(spec, shape, limit, offload=offload_recomputed)
     if longest:
         fitting = f"with every layer recomputed, micro-batches of up to {longest} tokens fit"
