@@ -1,5 +1,5 @@
-"""Shared memory, registers and spills of every attention, delta-rule, conv1d, FP8, RMSNorm and grouped NF4
-Triton kernel, compiled for a GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
+"""Shared memory, registers and spills of every attention, delta-rule, conv1d, FP8, RMSNorm and MoE
+(expert rows, grouped NF4) Triton kernel, compiled for a GPU that need not be here: what decides whether a kernel launches (Hopper allows 232,448 bytes of
 shared memory per block) and how many blocks share an SM.
 
 Usage: python -m benchmarks.kernel_resources [--arch 90] [--shape 9b ...]
@@ -28,7 +28,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
 from benchmarks.variants import patched
-from qlora_kernels import attention, conv1d, delta_rule, fp8, grouped_linear, rmsnorm
+from qlora_kernels import attention, conv1d, delta_rule, expert_rows, fp8, grouped_linear, rmsnorm
 from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
 
@@ -220,22 +220,42 @@ def fp8_launches(rows: int = 18944, in_features: int = 3584, tokens: int = 8192)
     return launches
 
 
-def grouped_nf4_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, rows: int = 32768):
-    """The routed experts' gate/up, forward and input gradient, at Qwen3.5-35B-A3B's shape (4096 tokens
-    routed to 8 experts each)."""
-    out, blocks = 2 * inter, 2 * inter * hidden // 64
-    weight = grouped_linear.GroupedNF4Weight(
-        packed=_meta(experts, out * hidden // 2, dtype=torch.uint8),
-        absmax=_meta(experts, blocks, dtype=torch.uint8),
-        nested_absmax=_meta(experts, -(-blocks // 256), dtype=torch.float32),
-        nested_offset_table=_meta(experts, dtype=torch.float32),
-        shape=torch.Size((experts, out, hidden)),
-        dtype=torch.bfloat16,
-    )
-    offsets = _meta(experts + 1, dtype=torch.int64)
+def moe_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, tokens: int = 4096, k: int = 8):
+    """A routed MoE MLP's kernels, forward and backward, at Qwen3.5-35B-A3B's shape (4096 tokens routed
+    to 8 experts each): the tokens' copies spread to their sorted rows, gate and up as one paired
+    grouped NF4 GEMM (each half a strided view, the second input gradient added into the first's),
+    down, and the weighted combine with its weights' gradient."""
+    rows = tokens * k
+
+    def nf4_experts(out: int, inner: int) -> grouped_linear.GroupedNF4Weight:
+        blocks = out * inner // 64
+        return grouped_linear.GroupedNF4Weight(
+            packed=_meta(experts, out * inner // 2, dtype=torch.uint8),
+            absmax=_meta(experts, blocks, dtype=torch.uint8),
+            nested_absmax=_meta(experts, -(-blocks // 256), dtype=torch.float32),
+            nested_offset_table=_meta(experts, dtype=torch.float32),
+            shape=torch.Size((experts, out, inner)),
+            dtype=torch.bfloat16,
+        )
+
+    gate, up, down = nf4_experts(inter, hidden), nf4_experts(inter, hidden), nf4_experts(hidden, inter)
+    offsets, positions = _meta(experts + 1, dtype=torch.int64), _meta(tokens, k, dtype=torch.int64)
+    weights = _meta(tokens, k)
     with recorded_launches() as launches:
-        grouped_linear._grouped_matmul(_meta(rows, hidden), weight, offsets, transposed=False)
-        grouped_linear._grouped_matmul(_meta(rows, out), weight, offsets, transposed=True)
+        sorted_rows = expert_rows._spread(_meta(tokens, hidden), positions, None)
+        gate_up = _meta(rows, 2 * inter)
+        for weight, half in ((gate, gate_up[:, :inter]), (up, gate_up[:, inter:])):
+            grouped_linear._grouped_matmul(sorted_rows, weight, offsets, transposed=False, out=half)
+        routed = grouped_linear._grouped_matmul(_meta(rows, inter), down, offsets, transposed=False)
+        expert_rows._combine(routed, positions, weights)
+        dout = _meta(tokens, hidden)
+        expert_rows._spread(dout, positions, weights)
+        expert_rows._row_dots(routed, positions, dout, weights.dtype)
+        grouped_linear._grouped_matmul(_meta(rows, hidden), down, offsets, transposed=True)
+        dx = grouped_linear._grouped_matmul(gate_up[:, :inter], gate, offsets, transposed=True)
+        grouped_linear._grouped_matmul(
+            gate_up[:, inter:], up, offsets, transposed=True, out=dx, accumulate=True
+        )
     return launches
 
 
@@ -270,7 +290,7 @@ def main() -> None:
         )
         seen = set()
         launches = delta_rule_launches(*SHAPES[shape]) + conv1d_launches(*SHAPES[shape]) + fp8_launches()
-        launches += rmsnorm_launches(*SHAPES[shape]) + grouped_nf4_launches()
+        launches += rmsnorm_launches(*SHAPES[shape]) + moe_launches()
         launches += [launch for dim in ATTENTION_HEAD_DIMS for launch in attention_launches(dim)]
         for launch in launches:
             name = launch.kernel.__name__
