@@ -143,6 +143,15 @@ def test_profiling_off_records_nothing(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(unprofiled, profiled, strict=True))
 
 
+def test_lora_share_repeats_the_steps_calls_with_lora_dropout(tmp_path):
+    """With LoRA dropout the projections draw their masks from the model's seed; the LoRA share's
+    repeats of those calls take it too (without it they stopped with a traceback)."""
+    config = load_config(write_run(tmp_path / "run", lora_dropout=0.1, max_steps=2))
+    report = profile(config, steps=1, warmup=1)
+    rows = {row.name: row for row in report.rows}
+    assert rows[Op.LORA_FWD].calls > 0 and rows[Op.LORA_BWD].calls > 0
+
+
 def test_timeline_attribution():
     """Each interval goes to the innermost open region once: recomputes nest inside a backward row,
     a backward row whose inputs need no gradient closes at the next one or at its scope's end."""

@@ -33,10 +33,15 @@ LORA_GROUP = {rows[0]: group for group, rows in GROUP_ROWS.items()}
 
 
 def lora_call(op: Op, values: dict) -> dict:
-    """What `lora_share` needs to repeat a call, from its named arguments: its mode and LoRA
-    tensors, never its activations (they would hold the step's autograd graph alive)."""
+    """What `lora_share` needs to repeat a call, from its named arguments: its mode, LoRA tensors and
+    the model's dropout seed (LoRA dropout is LoRA's cost), never its activations (they would hold
+    the step's autograd graph alive)."""
     if op != Op.SILU:
-        return {"keep_lora_t": bool(values["keep_lora_t"]), "from_t": values["lora_t"] is not None}
+        return {
+            "keep_lora_t": bool(values["keep_lora_t"]),
+            "from_t": values["lora_t"] is not None,
+            "dropout_seed": values["dropout_seed"],
+        }
     lora_t = values["lora_t"]
     return {
         "width": values["gate_up"].shape[-1],
@@ -59,21 +64,22 @@ def _projection_calls(group: torch.nn.Module, call: dict, tokens: int, device, d
     dy = torch.randn(tokens, sum(group.out_features), device=device, dtype=dtype)
     ranks = sum(a.shape[0] for a in group.lora_A.values())
     t = torch.randn(tokens, ranks, device=device, dtype=dtype, requires_grad=True)
+    seed = call["dropout_seed"]
     if call["keep_lora_t"]:
         leaves, grads = [x, *group.lora_A.values()], (dy, t.detach())
 
         def with_lora():
-            return group(x, keep_lora_t=True)
+            return group(x, keep_lora_t=True, dropout_seed=seed)
     elif call["from_t"]:
         leaves, grads = [x, t, *group.lora_B.values()], (dy,)
 
         def with_lora():
-            return (group(x, lora_t=t),)
+            return (group(x, lora_t=t, dropout_seed=seed),)
     else:
         leaves, grads = [x, *group.lora_A.values(), *group.lora_B.values()], (dy,)
 
         def with_lora():
-            return (group(x),)
+            return (group(x, dropout_seed=seed),)
 
     def without_lora():
         none = [None] * count
