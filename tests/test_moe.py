@@ -681,6 +681,10 @@ def _write_dense(folder):
             "LoRA through lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
         ),
         (
+            {"lora_target_modules": ["experts"], "lora_target_linear": True},
+            "config key 'lora_target_modules': 'experts' names a MoE model's routed experts",
+        ),
+        (
             {"lora_target_parameters": ["experts.gate_up_proj", "mlp.experts.gate_proj"]},
             "config key 'lora_target_parameters': 'mlp.experts.gate_proj' is not a routed experts' parameter "
             "(expected mlp.experts.gate_up_proj or mlp.experts.down_proj)",

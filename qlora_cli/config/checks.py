@@ -276,8 +276,10 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
         yield ("datasets",), "config key 'datasets': expected at least one dataset"
     for problem in _dataset_problems(config):
         yield (), problem
-    unknown = sorted(set(config.target_modules) - set(ALL_PROJECTIONS))
-    experts = [name for name in config.target_modules if name in ROUTED_EXPERT_TARGETS]
+    # The names given are checked with lora_target_linear too, which adds every projection to them.
+    named = [*config.lora_target_modules, *config.target_modules]
+    unknown = sorted(set(named) - set(ALL_PROJECTIONS))
+    experts = [name for name in named if name in ROUTED_EXPERT_TARGETS]
     if experts:
         yield (
             ("lora_target_modules",),
