@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
-from qlora_cli.rundir.adapter import trainable_tensors
+from qlora_cli.rundir.adapter import adopt_adapter_shape, trainable_tensors
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.train.loop import train
 from qlora_cli.train.run import build_run
@@ -128,6 +128,28 @@ def test_lora_model_dir_starts_from_the_adapter_with_its_shape(tmp_path):
     assert all(torch_equal(live[k], saved[k]) for k in saved)
     with pytest.raises(QLoraError, match="lora_model_dir .*: no adapter_config.json"):
         build_run(load_config(path, [f"lora_model_dir={tmp_path}"]))
+
+
+def _expert_adapter(dropout: float) -> dict:
+    return {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": dropout,
+        "target_modules": ["q_proj", "v_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    }
+
+
+def test_lora_model_dir_takes_the_adapters_dropout_as_peft_does():
+    """An adapter with LoRA on routed experts holds no dropout (PEFT loads none there); the config's
+    0.05 gives way to it, with a note, so the adapter the run writes loads in PEFT."""
+    base = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}], "lora_dropout": 0.05}
+    config, notes = adopt_adapter_shape(config_from_dict(base), _expert_adapter(0.0), "a")
+    assert config.lora_dropout == 0.0 and config.expert_targets == ("gate_up_proj", "down_proj")
+    assert "lora_dropout 0.05 -> 0.0" in notes[0]
+    with pytest.raises(QLoraError, match="lora_model_dir a: in the adapter's shape, .*takes no dropout"):
+        adopt_adapter_shape(config_from_dict(base), _expert_adapter(0.1), "a")
 
 
 def torch_equal(live, saved) -> bool:

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from qlora_cli.config.checks import consistency_problems
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
@@ -164,8 +165,8 @@ def _adapter_targets(saved: dict, source: str) -> list[str]:
 
 
 def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[TrainConfig, list[str]]:
-    """The config with the shape of the adapter it starts from (rank, alpha, targets, rsLoRA, norms),
-    as PEFT loads an adapter with its own settings; a note names each key that changed."""
+    """The config with the shape of the adapter it starts from (rank, alpha, dropout, targets, rsLoRA,
+    norms), as PEFT loads an adapter with its own settings; a note names each key that changed."""
     unsupported = [
         key
         for key in ("use_dora", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern")
@@ -179,6 +180,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
         adopted = {
             "lora_r": int(saved["r"]),
             "lora_alpha": float(saved["lora_alpha"]),
+            "lora_dropout": float(saved.get("lora_dropout") or 0.0),
             "peft_use_rslora": bool(saved.get("use_rslora", False)),
             "train_norms": bool(saved.get("modules_to_save")),
             "lora_target_parameters": list(saved.get("target_parameters") or []),
@@ -197,4 +199,7 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
     notes = (
         [f"lora_model_dir: training continues the adapter's shape ({'; '.join(changed)})"] if changed else []
     )
-    return dataclasses.replace(config, **adopted), notes
+    config = dataclasses.replace(config, **adopted)
+    for _, problem in consistency_problems(config):
+        raise QLoraError(f"lora_model_dir {source}: in the adapter's shape, {problem}")
+    return config, notes
