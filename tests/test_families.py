@@ -184,13 +184,14 @@ def test_targets_naming_no_projection_of_the_model_are_one_line_before_its_weigh
 
     monkeypatch.setattr(QLoRAModel, "from_pretrained", loaded)
     config = _write(tmp_path, "llama", lora_target_modules=["in_proj_qkv", "in_proj_z"])
-    code, _, err = run_cli("train", config)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0] == (
-        "error: config key 'lora_target_modules': in_proj_qkv, in_proj_z names no projection of this llama "
-        "model; its layers have q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
-    )
+    for command in ("train", "data"):
+        code, _, err = run_cli(command, config)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0] == (
+            "error: config key 'lora_target_modules': in_proj_qkv, in_proj_z names no projection of this "
+            "llama model; its layers have q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+        )
 
 
 def test_a_family_that_reuses_llamas_layers_is_one_row(tmp_path, monkeypatch):

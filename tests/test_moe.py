@@ -707,9 +707,10 @@ def _write_dense(folder):
 def test_asking_lora_for_the_routed_experts_wrongly_is_one_line(keys, line, tmp_path, run_cli):
     writer = _write_dense if keys.pop("model", None) else TRAIN_WRITERS["qwen3_moe"]
     path = write_run(tmp_path / "run", model_writer=writer, rows=4, **keys)
-    code, _, err = run_cli("train", path)
-    lines = [text for text in err.splitlines() if text.strip()]
-    assert code == 2 and len(lines) == 1 and line in lines[0], err
+    for command in ("train", "data"):
+        code, _, err = run_cli(command, path)
+        lines = [text for text in err.splitlines() if text.strip()]
+        assert code == 2 and len(lines) == 1 and line in lines[0], (command, err)
 
 
 def _write_all_sparse(folder):

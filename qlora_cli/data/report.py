@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qlora_cli.config.schema import TrainConfig
+from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import count, number
 from qlora_cli.data.examples import (
     IGNORE_INDEX,
@@ -102,6 +103,10 @@ def data_report(config: TrainConfig) -> DataReport:
     spec = read_spec(folder) if (folder / MODEL_CONFIG).is_file() else None
     if spec is not None:
         check_sequence_len(config, spec)
+        # A starting adapter's targets replace the config's: qlora train reads them from it.
+        targets = config.target_modules, config.lora_target_parameters
+        if config.lora_model_dir is None and (problem := spec.lora_target_problem(*targets)):
+            raise QLoraError(problem)
     tokenizer = run_tokenizer(folder, config)
     data = prepare_data(config, tokenizer)
     if spec is not None:

@@ -192,6 +192,22 @@ class ModelSpec:
         kinds = dict.fromkeys(self.layer_kinds)
         return tuple(dict.fromkeys(name for kind in kinds for name in self.projection_shapes(*kind)))
 
+    def lora_target_problem(self, target_modules: list[str], target_parameters: list[str]) -> str | None:
+        """Why LoRA's targets miss this model, or None: a list of another family's names (Qwen3.5's
+        in_proj_qkv on a Llama) would leave LoRA nothing to train, and only MoE layers have routed experts."""
+        projections = self.projection_names()
+        if not set(target_modules) & set(projections):
+            return (
+                f"config key 'lora_target_modules': {', '.join(target_modules)} names no projection of "
+                f"this {self.model_type} model; its layers have {', '.join(projections)}"
+            )
+        if target_parameters and MOE_MLP not in self.mlp_types:
+            return (
+                f"config key 'lora_target_parameters': this {self.model_type} model has no routed experts "
+                "(a mixture-of-experts model's); remove it"
+            )
+        return None
+
     def layer_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer, named below `model.layers.N.`, with their shapes."""
         kind_name, mlp = self.layer_kinds[layer]

@@ -34,7 +34,7 @@ from qlora_cli.sources.fingerprint import base_fingerprint
 from qlora_cli.sources.hub import model_reference, resolve_model
 from qlora_cli.sources.model_config import read_spec
 from qlora_cli.sources.run_tokenizer import run_tokenizer
-from qlora_cli.sources.spec import MOE_MLP, ModelSpec
+from qlora_cli.sources.spec import ModelSpec
 from qlora_cli.sources.tokenizer import ChatTokenizer
 from qlora_cli.sources.weights import locate_tensors
 from qlora_cli.train.distributed import Distributed
@@ -140,7 +140,8 @@ def build_run(
     fingerprint = base_fingerprint(folder) if is_local_base(config.base_model) else None
     # A starting adapter sets the LoRA shape, which the memory plan and the model are built with.
     config, start_adapter = _start_adapter(config, notes)
-    _check_targets(config, spec)
+    if problem := spec.lora_target_problem(config.target_modules, config.lora_target_parameters):
+        raise QLoraError(problem)
     data_start = time.perf_counter()
     config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
@@ -177,22 +178,6 @@ def build_run(
         data_files=data_files,
         base_fingerprint=fingerprint,
     )
-
-
-def _check_targets(config: TrainConfig, spec: ModelSpec) -> None:
-    """The targets must name a projection this model has: a list of another family's names (Qwen3.5's
-    in_proj_qkv on a Llama) would leave LoRA nothing to train."""
-    projections = spec.projection_names()
-    if not set(config.target_modules) & set(projections):
-        raise QLoraError(
-            f"config key 'lora_target_modules': {', '.join(config.target_modules)} names no projection of "
-            f"this {spec.model_type} model; its layers have {', '.join(projections)}"
-        )
-    if config.lora_target_parameters and MOE_MLP not in spec.mlp_types:
-        raise QLoraError(
-            f"config key 'lora_target_parameters': this {spec.model_type} model has no routed experts "
-            "(a mixture-of-experts model's); remove it"
-        )
 
 
 def _start_adapter(
