@@ -21,7 +21,7 @@ from checkpoints import (
 
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.core.ops import HYBRID_ROWS, Op
+from qlora_cli.core.ops import HYBRID_ROWS, MOE_ROWS, Op
 from qlora_cli.export.gguf.architectures import architecture
 from qlora_cli.model import QLoRAModel
 from qlora_cli.sources import families
@@ -106,13 +106,14 @@ def test_data_show_renders_the_familys_template(family, tmp_path, run_cli):
 
 def test_profile_shows_the_gated_deltanet_rows(tmp_path, run_cli):
     """The hybrid's conv, delta rule and gates have rows, forward and backward; a Llama's table leaves
-    them out."""
+    them out, and neither shows the mixture-of-experts rows."""
     for family in ("qwen3_5", "llama"):
         config = _write(tmp_path, family, family, max_steps=2, gradient_checkpointing=True)
         report = tmp_path / f"{family}.json"
         code, out, err = run_cli("profile", config, "--steps", 1, "--warmup", 0, "--json", report)
         assert code == 0, err
         rows = {r["name"]: r for r in json.loads(report.read_text())["rows"]}
+        assert not set(MOE_ROWS) & set(rows)
         if family == "qwen3_5":
             assert all(rows[op]["calls"] > 0 and rows[op]["ms"] > 0 for op in HYBRID_ROWS)
             assert all(f"\n{op.value} " in out or f" {op.value} " in out for op in HYBRID_ROWS)

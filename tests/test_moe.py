@@ -26,6 +26,7 @@ from test_export import stored_tensors
 from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS, EXPERT_PARAMETERS
+from qlora_cli.core.ops import MOE_ROWS, Op
 from qlora_cli.data.examples import IGNORE_INDEX, BatchPlan, Example
 from qlora_cli.export.command import export, find_checkpoint
 from qlora_cli.generate.decoding import DecodingEngine
@@ -33,6 +34,7 @@ from qlora_cli.generate.sampling import Sampling, generate_ids
 from qlora_cli.model import LoRAConfig, QLoRAModel
 from qlora_cli.model.from_config import lora_config
 from qlora_cli.model.mlps import DenseMLP, MoEMLP, moe
+from qlora_cli.profiler.report import TOTAL, UNATTRIBUTED
 from qlora_cli.rundir.adapter import adapter_state_dict, load_adapter_state, trainable_tensors
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.sources.model_config import read_spec, spec_from_config
@@ -666,6 +668,25 @@ def test_a_step_adds_each_micro_batchs_aux_loss_weighed_by_its_trained_tokens(tm
     assert len(batches) == 2 and step.trained_tokens == sum(batch.n_tokens for batch in batches)
     assert step.loss_sum == pytest.approx(loss_sum, rel=1e-5)
     assert step.aux_loss_sum == pytest.approx(aux_sum, rel=1e-5)
+
+
+def test_profile_has_the_routed_experts_rows(tmp_path, run_cli):
+    """A MoE layer's router, sort, rows, grouped GEMMs, SwiGLU and expert LoRA have rows of their own,
+    forward and backward, with their work; the rest of the step stays under half unattributed."""
+    path = write_run(
+        tmp_path / "run", model_writer=TRAIN_WRITERS["qwen3_5_moe"], rows=8, sequence_len=96,
+        max_steps=2, lora_dropout=0.0, lora_target_parameters=EXPERT_TARGETS, gradient_checkpointing=True,
+    )  # fmt: skip
+    report = tmp_path / "profile.json"
+    code, out, err = run_cli("profile", path, "--steps", 1, "--warmup", 0, "--json", report)
+    assert code == 0, err
+    rows = {row["name"]: row for row in json.loads(report.read_text())["rows"]}
+    assert all(rows[op]["calls"] > 0 and rows[op]["ms"] > 0 for op in MOE_ROWS), rows
+    assert all(f" {op.value} " in out or f"\n{op.value} " in out for op in MOE_ROWS)
+    for op in (Op.EXPERT_GATE_UP, Op.EXPERT_DOWN, Op.EXPERT_GATE_UP_BWD, Op.ROUTER):
+        assert rows[op]["tflops"] > 0, op
+    assert rows[Op.EXPERT_ROWS]["calls"] == 2 * rows[Op.ROUTER]["calls"]
+    assert rows[UNATTRIBUTED]["ms"] < 0.5 * rows[TOTAL]["ms"]
 
 
 def _write_dense(folder):

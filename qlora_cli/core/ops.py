@@ -27,6 +27,16 @@ class Op(str, Enum):
     CONV1D = "conv1d"
     DELTA_RULE = "delta_rule"
     GATES = "gates"
+    # A mixture-of-experts MLP's: the router's softmax and top k, the copies sorted by expert, the
+    # tokens spread to those rows and combined back, and the routed experts' grouped GEMMs, their
+    # SwiGLU and their LoRA (a shared expert runs as the dense MLP's rows).
+    ROUTER = "router"
+    EXPERT_SORT = "expert_sort"
+    EXPERT_ROWS = "expert_rows"
+    EXPERT_GATE_UP = "expert_gate_up"
+    EXPERT_SWIGLU = "expert_swiglu"
+    EXPERT_DOWN = "expert_down"
+    EXPERT_LORA = "expert_lora"
     # The backward rows of the layer's ops.
     DOWN_BWD = "down_bwd"
     SWIGLU_BWD = "swiglu_bwd"
@@ -41,6 +51,12 @@ class Op(str, Enum):
     GATES_BWD = "gates_bwd"
     IN_PROJ_BWD = "in_proj_bwd"
     OUT_PROJ_BWD = "out_proj_bwd"
+    ROUTER_BWD = "router_bwd"
+    EXPERT_ROWS_BWD = "expert_rows_bwd"
+    EXPERT_GATE_UP_BWD = "expert_gate_up_bwd"
+    EXPERT_SWIGLU_BWD = "expert_swiglu_bwd"
+    EXPERT_DOWN_BWD = "expert_down_bwd"
+    EXPERT_LORA_BWD = "expert_lora_bwd"
     # Outside the layers: ops the model times, regions the training step marks.
     EMBEDDING = "embedding"
     FINAL_NORM = "final_norm"
@@ -74,6 +90,12 @@ BACKWARD_ROW = {
     Op.CONV1D: Op.CONV1D_BWD,
     Op.DELTA_RULE: Op.DELTA_RULE_BWD,
     Op.GATES: Op.GATES_BWD,
+    Op.ROUTER: Op.ROUTER_BWD,
+    Op.EXPERT_ROWS: Op.EXPERT_ROWS_BWD,
+    Op.EXPERT_GATE_UP: Op.EXPERT_GATE_UP_BWD,
+    Op.EXPERT_SWIGLU: Op.EXPERT_SWIGLU_BWD,
+    Op.EXPERT_DOWN: Op.EXPERT_DOWN_BWD,
+    Op.EXPERT_LORA: Op.EXPERT_LORA_BWD,
     Op.FINAL_NORM: Op.FINAL_NORM,
     Op.LM_HEAD_LOSS: Op.LM_HEAD_LOSS,
 }
@@ -89,6 +111,13 @@ LAYER_FORWARD = (
     Op.O_PROJ,
     Op.OUT_PROJ,
     Op.RMSNORM_FFN,
+    Op.ROUTER,
+    Op.EXPERT_SORT,
+    Op.EXPERT_ROWS,
+    Op.EXPERT_GATE_UP,
+    Op.EXPERT_SWIGLU,
+    Op.EXPERT_DOWN,
+    Op.EXPERT_LORA,
     Op.GATE_UP_GEMM,
     Op.SILU,
     Op.DOWN_GEMM,
@@ -97,6 +126,12 @@ LAYER_BACKWARD = (
     Op.DOWN_BWD,
     Op.SWIGLU_BWD,
     Op.GATE_UP_BWD,
+    Op.EXPERT_LORA_BWD,
+    Op.EXPERT_DOWN_BWD,
+    Op.EXPERT_SWIGLU_BWD,
+    Op.EXPERT_GATE_UP_BWD,
+    Op.EXPERT_ROWS_BWD,
+    Op.ROUTER_BWD,
     Op.O_PROJ_BWD,
     Op.OUT_PROJ_BWD,
     Op.GATES_BWD,
@@ -120,6 +155,22 @@ HYBRID_ROWS = (
     Op.CONV1D_BWD,
     Op.DELTA_RULE_BWD,
     Op.GATES_BWD,
+)
+# Rows only mixture-of-experts layers fill, left out in the same way (expert_lora: with LoRA on them).
+MOE_ROWS = (
+    Op.ROUTER,
+    Op.EXPERT_SORT,
+    Op.EXPERT_ROWS,
+    Op.EXPERT_GATE_UP,
+    Op.EXPERT_SWIGLU,
+    Op.EXPERT_DOWN,
+    Op.EXPERT_LORA,
+    Op.ROUTER_BWD,
+    Op.EXPERT_ROWS_BWD,
+    Op.EXPERT_GATE_UP_BWD,
+    Op.EXPERT_SWIGLU_BWD,
+    Op.EXPERT_DOWN_BWD,
+    Op.EXPERT_LORA_BWD,
 )
 OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
 LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)

@@ -17,6 +17,7 @@ from qlora_cli.core.ops import (
     LAYER_BACKWARD,
     LAYER_FORWARD,
     LORA_ROWS,
+    MOE_ROWS,
     OUTSIDE_LAYERS,
     Op,
 )
@@ -139,7 +140,7 @@ def build_report(
     for section, ops in sections:
         for op in ops:
             stat = summed.get(op, RowStat())
-            if op in HYBRID_ROWS and not stat.calls:
+            if (op in HYBRID_ROWS or op in MOE_ROWS) and not stat.calls:
                 continue
             ms = stat.ms / count
             row = Row(

@@ -97,6 +97,55 @@ def gates_work(*, output, **_) -> Work:
     return Work(0.0, 3 * elements, 0.0, 5 * elements)
 
 
+def router_work(*, x, router, output, **_) -> Work:
+    """The router's logits 2·T·H·E and their fp32 softmax; backward the same product for dx (the
+    router is frozen)."""
+    tokens, hidden = x.shape
+    flops = 2.0 * tokens * hidden * router.shape[0]
+    moved = (x.numel() + router.numel()) * x.element_size() + 2 * output.numel() * output.element_size()
+    return Work(flops, moved, flops, moved)
+
+
+def expert_sort_work(*, experts, **_) -> Work:
+    """The copies' expert ids sorted, searched and inverted: a few int64 passes over them."""
+    return Work(0.0, 4 * experts.numel() * experts.element_size())
+
+
+def expert_rows_work(*, positions, output, **_) -> Work:
+    """Each token's hidden row read once and its k copies written once (spread), or the reverse
+    (combine); backward the other way round."""
+    copies, tokens = positions.numel(), positions.shape[0]
+    moved = (copies + tokens) * output.shape[-1] * output.element_size()
+    return Work(0.0, moved, 0.0, moved)
+
+
+def _weight_bytes(weight) -> int:
+    """What a frozen weight stores: a tensor's bytes, or an NF4 weight's codes and absmaxes."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return sum(t.numel() * t.element_size() for t in (weight.packed, weight.absmax, weight.nested_absmax))
+
+
+def grouped_gemm_work(*, x, output, weight=None, first=None, second=None, **_) -> Work:
+    """Rows sorted by expert [M, K] times their experts' frozen weights: 2·M·N·K forward, the same
+    again for dX; every expert's weight read (a paired call reads two)."""
+    m, k = x.shape
+    n = output.shape[-1]
+    weights = sum(_weight_bytes(w) for w in (weight, first, second) if w is not None)
+    flops = 2.0 * m * n * k
+    moved = (m * k + m * n) * x.element_size() + weights
+    return Work(flops, moved, *((flops, moved) if x.requires_grad else (0.0, 0.0)))
+
+
+def grouped_lora_work(*, x, lora_a, lora_b, output, **_) -> Work:
+    """The routed experts' LoRA: 2·M·r·(K + N) forward; backward about twice (dx, dA and dB)."""
+    m, k = x.shape
+    n, rank = output.shape[-1], lora_a.shape[1]
+    flops = 2.0 * m * rank * (k + n)
+    moved = (m * k + m * n) * x.element_size() + (lora_a.numel() + lora_b.numel()) * lora_a.element_size()
+    return Work(flops, moved, 2 * flops, 2 * moved)
+
+
 def embedding_work(*, input, output, **_) -> Work:
     return Work(0.0, input.numel() * input.element_size() + 2 * output.numel() * output.element_size())
 
@@ -139,6 +188,13 @@ WORK_MODELS: dict[Op, Callable[..., Work]] = {
     Op.CONV1D: conv1d_work,
     Op.DELTA_RULE: delta_rule_work,
     Op.GATES: gates_work,
+    Op.ROUTER: router_work,
+    Op.EXPERT_SORT: expert_sort_work,
+    Op.EXPERT_ROWS: expert_rows_work,
+    Op.EXPERT_GATE_UP: grouped_gemm_work,
+    Op.EXPERT_SWIGLU: functools.partial(swiglu_work, need_output=True),
+    Op.EXPERT_DOWN: grouped_gemm_work,
+    Op.EXPERT_LORA: grouped_lora_work,
     Op.EMBEDDING: embedding_work,
     Op.LM_HEAD_LOSS: loss_work,
 }

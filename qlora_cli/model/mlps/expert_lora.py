@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from qlora_cli.core.names import EXPERT_PARAMETERS
+from qlora_cli.core.ops import Op
+from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LoRAConfig, init_lora
 from qlora_cli.sources.spec import ModelSpec
 from qlora_kernels.grouped_lora import grouped_lora
@@ -104,4 +106,4 @@ class ExpertLoRA(nn.Module):
         a, b = per_expert(self.lora_A[name], self.lora_B[name], self.experts)
         if adapter_scale is not None:
             a = a * adapter_scale
-        return grouped_lora(rows, a, b, expert_offsets, self.scaling)
+        return timed(Op.EXPERT_LORA, grouped_lora, rows, a, b, expert_offsets, self.scaling)

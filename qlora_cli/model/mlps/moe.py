@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qlora_cli.core.ops import Op
+from qlora_cli.core.profiling import timed
 from qlora_cli.model.lora import LoRAConfig
 from qlora_cli.model.mlps.balance import router_tally
 from qlora_cli.model.mlps.expert_lora import ExpertLoRA
@@ -43,6 +45,20 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool):
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return probs, weights.to(x.dtype), experts
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [tokens, k]: where each token's k copies sit among the rows sorted by expert,
+    expert_offsets [experts + 1]: each expert's first sorted row) for the top-k `experts` [tokens, k].
+    The sort is stable, so each expert's tokens keep their order."""
+    choices = experts.reshape(-1)
+    order = torch.argsort(choices, stable=True)
+    bounds = torch.arange(num_experts + 1, device=experts.device, dtype=choices.dtype)
+    expert_offsets = torch.searchsorted(choices[order], bounds)
+    # The order's inverse.
+    copies = torch.arange(order.numel(), device=experts.device, dtype=order.dtype)
+    positions = torch.empty_like(order).scatter_(0, order, copies).view(experts.shape)
+    return positions, expert_offsets
 
 
 class MoEMLP(nn.Module):
@@ -129,18 +145,16 @@ class MoEMLP(nn.Module):
         """h [batch, seq, hidden] -> the MLP's output; `layer` is the DecoderLayer it runs in. With
         `balance_tokens` [batch * seq] (1.0, or 0.0 at padding): (the output, the routing's `router_tally`)."""
         x = h.reshape(-1, h.shape[-1])
-        probs, weights, experts = route(x, self.router, self.top_k, self.renormalise)
-        # Each (token, choice) pair sorted by expert; stable, so each expert's tokens keep their order.
-        choices = experts.reshape(-1)
-        order = torch.argsort(choices, stable=True)
-        bounds = torch.arange(self.num_experts + 1, device=x.device, dtype=choices.dtype)
-        expert_offsets = torch.searchsorted(choices[order], bounds)
-        # Where each token's k copies sit among the sorted rows: the order's inverse.
-        copies = torch.arange(order.numel(), device=x.device, dtype=order.dtype)
-        positions = torch.empty_like(order).scatter_(0, order, copies).view(experts.shape)
-        rows = spread_rows(x, positions)
-        gate_up = grouped_linear_pair(
-            rows, self.experts["gate_proj"], self.experts["up_proj"], expert_offsets
+        probs, weights, experts = timed(Op.ROUTER, route, x, self.router, self.top_k, self.renormalise)
+        positions, expert_offsets = timed(Op.EXPERT_SORT, sort_by_expert, experts, self.num_experts)
+        rows = timed(Op.EXPERT_ROWS, spread_rows, x, positions)
+        gate_up = timed(
+            Op.EXPERT_GATE_UP,
+            grouped_linear_pair,
+            rows,
+            self.experts["gate_proj"],
+            self.experts["up_proj"],
+            expert_offsets,
         )
         lora = self.expert_lora
         switch = project.adapter_scale if lora is not None else None
@@ -149,14 +163,14 @@ class MoEMLP(nn.Module):
             and (delta := lora.delta("gate_up_proj", rows, expert_offsets, switch)) is not None
         ):
             gate_up = gate_up + delta
-        activation = swiglu(gate_up)
-        routed = grouped_linear(activation, self.experts["down_proj"], expert_offsets)
+        activation = timed(Op.EXPERT_SWIGLU, swiglu, gate_up)
+        routed = timed(Op.EXPERT_DOWN, grouped_linear, activation, self.experts["down_proj"], expert_offsets)
         if (
             lora is not None
             and (down := lora.delta("down_proj", activation, expert_offsets, switch)) is not None
         ):
             routed = routed + down
-        out = combine_rows(routed, positions, weights)
+        out = timed(Op.EXPERT_ROWS, combine_rows, routed, positions, weights)
         if self.shared_expert:
             shared = project.down(project.swiglu(project.gate_up(h, 0)), 0).reshape(x.shape)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype))) * shared
