@@ -41,6 +41,7 @@ from qlora_cli.sources.model_config import read_spec, spec_from_config
 from qlora_cli.sources.spec import DENSE_MLP, MOE_MLP, ModelSpec, MoESpec
 from qlora_cli.sources.weights import rewrite_checkpoint, stream_tensors
 from qlora_cli.train.loop import train
+from qlora_cli.train.run import build_run
 from qlora_kernels import cross_entropy
 from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.grouped_linear import GroupedNF4Weight
@@ -739,6 +740,38 @@ def _write_all_sparse(folder):
     target_modules, PEFT converts those names, as for a transformers 4 adapter, into LoRA on the fused
     gate_up_proj at rank 2r, which then clashes with target_parameters' rank-r one.)"""
     return add_demo_tokenizer(write_qwen3_moe(folder, vocab_size=1024, mlp_only_layers=[]))
+
+
+@pytest.mark.parametrize(
+    ("writer", "targets", "note"),
+    [
+        (
+            "sparse",
+            ["q_proj", "gate_proj"],
+            "lora_target_modules: gate_proj names no projection of this qwen3_moe model; its MLPs are routed "
+            "experts, frozen unless lora_target_parameters names them (mlp.experts.gate_up_proj, "
+            "mlp.experts.down_proj)",
+        ),
+        (
+            "dense",
+            ["q_proj", "in_proj_z"],
+            "lora_target_modules: in_proj_z names no projection of this qwen3 model",
+        ),
+        (
+            "dense",
+            ["q_proj", "in_proj_z", "out_proj"],
+            "lora_target_modules: in_proj_z, out_proj name no projection of this qwen3 model",
+        ),
+        ("dense", ["q_proj", "gate_proj"], None),
+    ],
+)
+def test_targets_the_model_lacks_are_named_where_others_match(writer, targets, note, tmp_path):
+    """PEFT would put an all-MoE model's gate_proj on its routed experts; qlora trains q_proj alone, and
+    says so."""
+    write = {"sparse": _write_all_sparse, "dense": _write_dense}[writer]
+    path = write_run(tmp_path / "run", model_writer=write, rows=4, lora_target_modules=targets)
+    notes = [text for text in build_run(load_config(path)).notes if text.startswith("lora_target_modules")]
+    assert notes == ([note] if note else [])
 
 
 def test_routed_expert_lora_trains_saves_as_peft_and_resumes(tmp_path, run_cli):

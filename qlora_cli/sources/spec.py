@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qlora_cli.core.names import EXPERT_PARAMETERS
+from qlora_cli.core.names import ALL_PROJECTIONS, EXPERT_PARAMETERS
 from qlora_cli.sources.rope import RopeScaling, rope_frequencies
 
 FULL_ATTENTION = "full_attention"
@@ -207,6 +207,23 @@ class ModelSpec:
                 "(a mixture-of-experts model's); remove it"
             )
         return None
+
+    def lora_target_note(self, target_modules: list[str]) -> str | None:
+        """The listed targets this model lacks, where others match (none matching is a problem): they
+        train nothing, where PEFT would read gate/up/down on a MoE model as its routed experts."""
+        if set(target_modules) >= set(ALL_PROJECTIONS):
+            return None
+        missing = [name for name in target_modules if name not in self.projection_names()]
+        if not missing:
+            return None
+        experts = ""
+        if MOE_MLP in self.mlp_types and set(missing) & set(_MLP):
+            experts = (
+                "; its MLPs are routed experts, frozen unless lora_target_parameters names them "
+                "(mlp.experts.gate_up_proj, mlp.experts.down_proj)"
+            )
+        verb = "names" if len(missing) == 1 else "name"
+        return f"lora_target_modules: {', '.join(missing)} {verb} no projection of this {self.model_type} model{experts}"
 
     def layer_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer, named below `model.layers.N.`, with their shapes."""

@@ -142,6 +142,8 @@ def build_run(
     config, start_adapter = _start_adapter(config, notes)
     if problem := spec.lora_target_problem(config.target_modules, config.lora_target_parameters):
         raise QLoraError(problem)
+    if (unmatched := spec.lora_target_note(config.target_modules)) is not None:
+        notes.append(unmatched)
     data_start = time.perf_counter()
     config, train_plan, eval_plan, data_files = _setup_data(config, tokenizer, notes)
     data_s = time.perf_counter() - data_start
