@@ -403,6 +403,24 @@ def test_resume_with_a_new_max_steps_or_learning_rate_says_how_the_schedule_chan
     ) in " ".join(err.split())
 
 
+def test_resume_with_other_training_settings_says_so(tmp_path, run_cli):
+    """LoRA dropout or the optimizer's settings changed at a resume change how the steps left train."""
+    path = write_run(tmp_path / "run", max_steps=4, save_steps=2, lora_dropout=0.05)
+    assert run_cli("train", path)[0] == 0
+    out = tmp_path / "run" / "out"
+    code, _, err = run_cli("resume", out, "--checkpoint", out / "checkpoint-2", "--set", "max_steps=4")
+    assert code == 0 and "changed settings" not in err, err
+    code, _, err = run_cli(
+        "resume", out, "--checkpoint", out / "checkpoint-2", "--set", "lora_dropout=0.2",
+        "--set", "weight_decay=0.01",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (
+        "note: resumed with changed settings: lora_dropout 0.2 (was 0.05), weight_decay 0.01 (was 0.0); "
+        "steps from 3 train with them"
+    ) in " ".join(err.split())
+
+
 @pytest.mark.parametrize("packing, rows", [(False, 48), (True, 48), (False, 10)], ids=str)
 def test_resume_is_exact(tmp_path, packing, rows, one_thread):
     """N steps in one go equal N/2 steps, then `qlora resume` to N: the same losses and adapter, bit for

@@ -60,6 +60,20 @@ BREAKING_KEYS = (
     "train_norms",
 )
 
+# Keys that change how the steps left train, but not the weights' shape: a resume under other values
+# says so (the learning-rate schedule's keys have a note of their own, train/schedule.py).
+TRAINING_KEYS = (
+    "lora_dropout",
+    "train_on_inputs",
+    "optimizer",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "fp8",
+)
+
 # Keys that fix the batch plan a checkpoint's data cursor points into (qlora_cli/data/examples.py): which
 # examples there are, how they pack into rows and rows into micro-batches, their order, and how many
 # micro-batches a step reads. Under other values the checkpoint's step places the run among other rows.
@@ -299,6 +313,20 @@ def check_continues(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -
     return notes
 
 
+def training_change(saved: TrainConfig, config: TrainConfig, step: int) -> list[str]:
+    """The note for TRAINING_KEYS a resume changes from the checkpoint's (config `saved`) values."""
+    changes = [
+        f"{key} {getattr(config, key)!r} (was {getattr(saved, key)!r})"
+        for key in TRAINING_KEYS
+        if getattr(config, key) != getattr(saved, key)
+    ]
+    return (
+        [f"resumed with changed settings: {', '.join(changes)}; steps from {step + 1} train with them"]
+        if changes
+        else []
+    )
+
+
 def batch_plan_changes(saved: TrainConfig, config: TrainConfig) -> list[str]:
     """The keys whose new values change the batch plan of the checkpoint (config `saved`), each as
     "'key' changed from OLD to NEW", dotted as --set names them (datasets.0.split)."""
@@ -380,6 +408,7 @@ def _train(
         saved, state = read_checkpoint_config(resume_from), read_trainer_state(resume_from)
         run.notes += check_continues(saved, config, resume_from)
         run.notes += _batch_plan_note(run, saved, state.step)
+        run.notes += training_change(saved, config, state.step)
         change = schedule_change(saved, state, config, run.total_steps)
         run.notes += [change] if change else []
     output_dir = Path(config.output_dir)
