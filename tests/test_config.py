@@ -55,6 +55,11 @@ def test_defaults_follow_the_qlora_paper():
             "config key 'lr_scheduler': expected one of 'cosine', 'linear', 'constant'",
         ),
         ({"lora_target_modules": ["q_proj", "qkv"]}, "unknown module 'qkv'"),
+        (
+            {"lora_target_modules": "q_proj"},
+            "'lora_target_modules': expected a list of strings, got 'q_proj'",
+        ),
+        ({"datasets": {"path": "a.jsonl"}}, "'datasets': expected a list, each a mapping, got {"),
         ({"lora_target_modules": ["q_prj"], "lora_target_linear": True}, "unknown module 'q_prj'"),
         ({"datasets": []}, "expected at least one dataset"),
         ({"datasets": [{"path": "a.jsonl", "tpye": "alpaca"}]}, "did you mean 'datasets[0].type'?"),

@@ -34,7 +34,9 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        element = typing.get_args(tp)[0]
+        plural = {int: "integers", float: "numbers", str: "strings"}.get(element)
+        return f"a list of {plural}" if plural else f"a list, each {_type_name(element)}"
     if origin is dict:
         return f"a mapping to {_type_name(typing.get_args(tp)[1])}"
     if tp is Any:
