@@ -380,6 +380,10 @@ def test_cli_errors_without_a_checkpoint(tmp_path, run_cli):
         run_cli("export", tmp_path / "empty", "--out", tmp_path / "o")
     )
     assert "does not exist" in error_line(run_cli("export", tmp_path / "missing", "--out", tmp_path / "o"))
+    (tmp_path / "config.yaml").write_text("base_model: m\n")
+    assert "config.yaml is a file; give a checkpoint-<step> folder or a run's output_dir" in error_line(
+        run_cli("export", tmp_path / "config.yaml", "--out", tmp_path / "o")
+    )
 
 
 def test_cli_errors_when_the_base_is_gone(tmp_path, run_cli):

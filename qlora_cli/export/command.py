@@ -63,6 +63,11 @@ def find_checkpoint(path: Path) -> Path:
         if path.is_dir()
         else None
     )
+    if found is None and path.is_file():
+        raise QLoraError(
+            f"{path} is a file; give a checkpoint-<step> folder or a run's output_dir (a config's output_dir "
+            "holds its run)"
+        )
     if found is None:
         raise QLoraError(
             f"{path} holds no complete checkpoint (a checkpoint-<step> folder with {STATE_FILE})"
