@@ -28,7 +28,16 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
 from benchmarks.variants import patched
-from qlora_kernels import attention, conv1d, delta_rule, expert_rows, fp8, grouped_linear, rmsnorm
+from qlora_kernels import (
+    attention,
+    conv1d,
+    delta_rule,
+    expert_rows,
+    fp8,
+    grouped_linear,
+    grouped_lora,
+    rmsnorm,
+)
 from qlora_kernels.delta_rule.step import _step as delta_rule_step
 from qlora_kernels.nf4 import NF4Weight
 
@@ -45,6 +54,7 @@ SHAPES = {
 BATCH, SEQ, CONV_WIDTH = 2, 2048, 4
 # Attention's head sizes in the shipped families, at Qwen3.5-9B's 16 query and 4 kv heads.
 ATTENTION_HEAD_DIMS, ATTENTION_HEADS = (64, 128, 256), (16, 4)
+LORA_RANK = 16
 
 _POINTER_TYPES = {
     torch.float32: "*fp32",
@@ -224,7 +234,8 @@ def moe_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, token
     """A routed MoE MLP's kernels, forward and backward, at Qwen3.5-35B-A3B's shape (4096 tokens routed
     to 8 experts each): the tokens' copies spread to their sorted rows, gate and up as one paired
     grouped NF4 GEMM (each half a strided view, the second input gradient added into the first's),
-    down, and the weighted combine with its weights' gradient."""
+    down, the weighted combine with its weights' gradient, and LoRA r 16 on gate/up (plain grouped
+    GEMMs through the rank, and the grouped outer products of A's and B's gradients)."""
     rows = tokens * k
 
     def nf4_experts(out: int, inner: int) -> grouped_linear.GroupedNF4Weight:
@@ -256,6 +267,14 @@ def moe_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, token
         grouped_linear._grouped_matmul(
             gate_up[:, inter:], up, offsets, transposed=True, out=dx, accumulate=True
         )
+        expert_rows._combine(dx, positions, None)
+        lora_a, lora_b = _meta(experts, LORA_RANK, hidden), _meta(experts, 2 * inter, LORA_RANK)
+        t = grouped_linear._grouped_matmul(sorted_rows, lora_a, offsets, transposed=False)
+        grouped_linear._grouped_matmul(t, lora_b, offsets, transposed=False)
+        dt = grouped_linear._grouped_matmul(gate_up, lora_b, offsets, transposed=True)
+        grouped_linear._grouped_matmul(dt, lora_a, offsets, transposed=True)
+        grouped_lora._grouped_outer(dt, sorted_rows, offsets)
+        grouped_lora._grouped_outer(gate_up, t, offsets)
     return launches
 
 

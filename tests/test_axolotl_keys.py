@@ -148,7 +148,10 @@ def test_lora_model_dir_takes_the_adapters_dropout_as_peft_does():
     config, notes = adopt_adapter_shape(config_from_dict(base), _expert_adapter(0.0), "a")
     assert config.lora_dropout == 0.0 and config.expert_targets == ("gate_up_proj", "down_proj")
     assert "lora_dropout 0.05 -> 0.0" in notes[0]
-    with pytest.raises(QLoraError, match="lora_model_dir a: in the adapter's shape, .*takes no dropout"):
+    with pytest.raises(
+        QLoraError,
+        match=r"lora_model_dir a: .*lora_dropout 0\.1, .*set lora_dropout to 0 in its adapter_config",
+    ):
         adopt_adapter_shape(config_from_dict(base), _expert_adapter(0.1), "a")
 
 

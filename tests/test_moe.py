@@ -687,6 +687,8 @@ def test_profile_has_the_routed_experts_rows(tmp_path, run_cli):
     for op in (Op.EXPERT_GATE_UP, Op.EXPERT_DOWN, Op.EXPERT_GATE_UP_BWD, Op.ROUTER):
         assert rows[op]["tflops"] > 0, op
     assert rows[Op.EXPERT_ROWS]["calls"] == 2 * rows[Op.ROUTER]["calls"]
+    # Every layer recomputed: half the forward calls are the reruns in backward.
+    assert rows[Op.ROUTER]["recomputed"] == rows[Op.ROUTER]["calls"] / 2 > 0
     assert rows[UNATTRIBUTED]["ms"] < 0.5 * rows[TOTAL]["ms"]
 
 
@@ -763,6 +765,7 @@ def _write_all_sparse(folder):
             "lora_target_modules: in_proj_z, out_proj name no projection of this qwen3 model",
         ),
         ("dense", ["q_proj", "gate_proj"], None),
+        ("dense", list(ALL_PROJECTIONS), None),
     ],
 )
 def test_targets_the_model_lacks_are_named_where_others_match(writer, targets, note, tmp_path):

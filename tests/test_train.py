@@ -636,6 +636,7 @@ def test_resume_refuses_a_key_that_changes_the_batch_plan_unless_accepted(tmp_pa
         ("val_set_size=0.2", "0.0", "0.2"),
         ("sequence_len=64", "128", "64"),
         ("gradient_accumulation_steps=2", "1", "2"),
+        ("train_on_inputs=true", "False", "True"),
         ("datasets.0.split=train[:50%]", "'train'", "'train[:50%]'"),
     ]:
         key = change.split("=")[0]

@@ -231,7 +231,9 @@ class OpProfiler:
             stat.calls += 1
             stat.flops += entry.flops
             stat.bytes += entry.bytes
-            if not entry.backward and any(open_.backward for open_ in stack):
+            # A forward op inside a backward row, or inside the backward scope before any row opened
+            # (a layer whose first backward node is untimed unpacks its recompute there), reruns.
+            if not entry.backward and any(open_.backward or open_.row is None for open_ in stack):
                 stat.recomputed += 1
         return rows
 

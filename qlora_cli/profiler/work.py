@@ -111,19 +111,22 @@ def expert_sort_work(*, experts, **_) -> Work:
     return Work(0.0, 4 * experts.numel() * experts.element_size())
 
 
-def expert_rows_work(*, positions, output, **_) -> Work:
+def expert_rows_work(*, positions, output, weights=None, **_) -> Work:
     """Each token's hidden row read once and its k copies written once (spread), or the reverse
-    (combine); backward the other way round."""
+    (combine); backward the other way round, a weighted combine's rereading its rows for the weights'
+    gradient."""
     copies, tokens = positions.numel(), positions.shape[0]
-    moved = (copies + tokens) * output.shape[-1] * output.element_size()
-    return Work(0.0, moved, 0.0, moved)
+    row = output.shape[-1] * output.element_size()
+    moved = (copies + tokens) * row
+    return Work(0.0, moved, 0.0, moved if weights is None else moved + copies * row)
 
 
 def _weight_bytes(weight) -> int:
     """What a frozen weight stores: a tensor's bytes, or an NF4 weight's codes and absmaxes."""
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
-    return sum(t.numel() * t.element_size() for t in (weight.packed, weight.absmax, weight.nested_absmax))
+    parts = (weight.packed, weight.absmax, weight.nested_absmax)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def grouped_gemm_work(*, x, output, weight=None, first=None, second=None, **_) -> Work:

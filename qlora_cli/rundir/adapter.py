@@ -17,7 +17,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from qlora_cli.config.checks import consistency_problems
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
@@ -199,7 +198,10 @@ def adopt_adapter_shape(config: TrainConfig, saved: dict, source: str) -> tuple[
     notes = (
         [f"lora_model_dir: training continues the adapter's shape ({'; '.join(changed)})"] if changed else []
     )
-    config = dataclasses.replace(config, **adopted)
-    for _, problem in consistency_problems(config):
-        raise QLoraError(f"lora_model_dir {source}: in the adapter's shape, {problem}")
-    return config, notes
+    if adopted["lora_target_parameters"] and adopted["lora_dropout"]:
+        raise QLoraError(
+            f"lora_model_dir {source}: the adapter puts LoRA on routed experts (target_parameters) with "
+            f"lora_dropout {adopted['lora_dropout']:g}, which PEFT does not load; set lora_dropout to 0 in "
+            f"its {ADAPTER_CONFIG}"
+        )
+    return dataclasses.replace(config, **adopted), notes

@@ -213,7 +213,8 @@ class ModelSpec:
         train nothing, where PEFT would read gate/up/down on a MoE model as its routed experts."""
         if set(target_modules) >= set(ALL_PROJECTIONS):
             return None
-        missing = [name for name in target_modules if name not in self.projection_names()]
+        projections = self.projection_names()
+        missing = [name for name in target_modules if name not in projections]
         if not missing:
             return None
         experts = ""

@@ -64,13 +64,13 @@ BREAKING_KEYS = (
 # says so (the learning-rate schedule's keys have a note of their own, train/schedule.py).
 TRAINING_KEYS = (
     "lora_dropout",
-    "train_on_inputs",
     "optimizer",
     "weight_decay",
     "adam_beta1",
     "adam_beta2",
     "adam_epsilon",
     "max_grad_norm",
+    "bf16",
     "fp8",
 )
 
@@ -86,6 +86,8 @@ BATCH_PLAN_KEYS = (
     "val_set_size",
     "dataset_exact_deduplication",
     "excess_length_strategy",
+    # Rows left with no trained token are dropped, so which tokens train decides which rows there are.
+    "train_on_inputs",
     "chat_template",
     "chat_template_jinja",
     "chat_template_kwargs",
