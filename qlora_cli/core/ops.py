@@ -99,6 +99,16 @@ BACKWARD_ROW = {
     Op.FINAL_NORM: Op.FINAL_NORM,
     Op.LM_HEAD_LOSS: Op.LM_HEAD_LOSS,
 }
+# A mixture-of-experts MLP's forward rows, in the order it runs them.
+MOE_FORWARD = (
+    Op.ROUTER,
+    Op.EXPERT_SORT,
+    Op.EXPERT_ROWS,
+    Op.EXPERT_GATE_UP,
+    Op.EXPERT_SWIGLU,
+    Op.EXPERT_DOWN,
+    Op.EXPERT_LORA,
+)
 LAYER_FORWARD = (
     Op.RMSNORM_ATTN,
     Op.QKV_GEMM,
@@ -111,13 +121,7 @@ LAYER_FORWARD = (
     Op.O_PROJ,
     Op.OUT_PROJ,
     Op.RMSNORM_FFN,
-    Op.ROUTER,
-    Op.EXPERT_SORT,
-    Op.EXPERT_ROWS,
-    Op.EXPERT_GATE_UP,
-    Op.EXPERT_SWIGLU,
-    Op.EXPERT_DOWN,
-    Op.EXPERT_LORA,
+    *MOE_FORWARD,
     Op.GATE_UP_GEMM,
     Op.SILU,
     Op.DOWN_GEMM,
@@ -157,21 +161,7 @@ HYBRID_ROWS = (
     Op.GATES_BWD,
 )
 # Rows only mixture-of-experts layers fill, left out in the same way (expert_lora: with LoRA on them).
-MOE_ROWS = (
-    Op.ROUTER,
-    Op.EXPERT_SORT,
-    Op.EXPERT_ROWS,
-    Op.EXPERT_GATE_UP,
-    Op.EXPERT_SWIGLU,
-    Op.EXPERT_DOWN,
-    Op.EXPERT_LORA,
-    Op.ROUTER_BWD,
-    Op.EXPERT_ROWS_BWD,
-    Op.EXPERT_GATE_UP_BWD,
-    Op.EXPERT_SWIGLU_BWD,
-    Op.EXPERT_DOWN_BWD,
-    Op.EXPERT_LORA_BWD,
-)
+MOE_ROWS = (*MOE_FORWARD, *(BACKWARD_ROW[op] for op in MOE_FORWARD if op in BACKWARD_ROW))
 OUTSIDE_LAYERS = (Op.EMBEDDING, Op.FINAL_NORM, Op.LM_HEAD_LOSS, Op.OPTIMIZER, Op.DATA)
 LORA_ROWS = (Op.LORA_FWD, Op.LORA_BWD)
 # The rows whose FLOPs are the frozen projections' GEMMs: in FP8 under fp8: true.
