@@ -138,6 +138,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(
     )
     if accumulation == 1:
         code, err = _cli(monkeypatch, capfd, "train", two_config, "--nproc", "2")
+        assert "Warning" not in err, err
     else:
         finished = _torchrun("train", two_config)
         code, err = finished.returncode, finished.stderr
@@ -215,6 +216,18 @@ def test_a_failing_rank_ends_the_run_and_keeps_the_earlier_checkpoints(tmp_path)
     first, second = (load_file(out / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2))
     assert first.keys() == second.keys() and any((first[k] != second[k]).any() for k in first)
     assert [s for s, _ in _losses(out)] == [1, 2]
+
+
+def test_bad_data_found_by_the_ranks_ends_in_their_lines_and_exit_2(tmp_path, monkeypatch, capfd):
+    """A dataset the ranks cannot read: their error lines and the bad input's exit code, without
+    torchrun's logging or traceback after them."""
+    config = write_run(tmp_path / "run")
+    code, err = _cli(
+        monkeypatch, capfd, "train", config, "--nproc", "2", "--set", "datasets.0.path=nope.jsonl"
+    )
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and lines and all(line.startswith("error: ") for line in lines), err
+    assert "nope.jsonl" in lines[0]
 
 
 def test_a_bad_config_with_nproc_is_one_line_before_any_process_starts(tmp_path, monkeypatch, capfd):

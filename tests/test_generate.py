@@ -430,6 +430,16 @@ def test_a_refused_prompt_leaves_out_as_it_was(run, tmp_path, run_cli):
     assert list(tmp_path.iterdir()) == [out] and out.read_text() == "an earlier run's rows\n"
 
 
+def test_out_naming_the_prompts_file_is_refused_and_the_prompts_kept(run, tmp_path, run_cli):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    line = error_line(
+        run_cli("generate", run, "--prompts", prompts, "--out", tmp_path / "." / "prompts.jsonl")
+    )
+    assert line.endswith("is the --prompts file, which the answers would replace; write them elsewhere")
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
+
+
 def test_the_loaded_line_prints_a_bracketed_path_as_it_is(run, tmp_path, run_cli):
     copy = tmp_path / "[v2]" / "out"
     shutil.copytree(run, copy)

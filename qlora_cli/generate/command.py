@@ -48,6 +48,10 @@ def generate(
         raise QLoraError("--system needs the chat template; drop --raw")
     if batch_size < 1:
         raise QLoraError(f"--batch-size must be at least 1, got {batch_size}")
+    if out is not None and prompt_file is not None and Path(out).resolve() == Path(prompt_file).resolve():
+        raise QLoraError(
+            f"--out {out} is the --prompts file, which the answers would replace; write them elsewhere"
+        )
     given = gather_prompts(list(prompts), prompt_file)
     with _RowWriter(out) as writer:
         loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)

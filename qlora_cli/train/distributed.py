@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -202,12 +203,16 @@ class Distributed:
         module = LossModule(model, objective)
         if not self.active:
             return module
-        return DistributedDataParallel(
-            module,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=False,
-            broadcast_buffers=False,
-        )
+        # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still syncs buffers at
+        # init; False keeps them each rank's own on every torch this supports.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+            return DistributedDataParallel(
+                module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=False,
+                broadcast_buffers=False,
+            )
 
     def accumulating(self, module: nn.Module, last: bool):
         """Skip the gradient all-reduce on every micro-batch of an accumulation but the last."""
@@ -271,7 +276,8 @@ def check_world_size(checkpoint: Path, world_size: int) -> None:
 
 
 def _launch(nproc: int, args: list[str]) -> int:
-    """Run `qlora ARGS` in `nproc` processes under torchrun; returns its exit code.
+    """Run `qlora ARGS` in `nproc` processes under torchrun (its agent quiet: torchrun_agent.py); returns
+    the ranks' exit code.
 
     torchrun runs in its own session, so a Ctrl-C reaches it once, through here; it passes the signal on
     to every rank, which finish the step, save and stop. A run stopped by a signal exits 128 + signal.
@@ -279,7 +285,7 @@ def _launch(nproc: int, args: list[str]) -> int:
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "qlora_cli.train.torchrun_agent",
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
