@@ -13,7 +13,7 @@ from rich.markup import escape
 import qlora_cli
 from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
-from qlora_cli.core.console import OutputConsole
+from qlora_cli.core.console import OutputConsole, survive_closed_pipes
 from qlora_cli.core.errors import QLoraError, RunAborted, RunInterrupted
 from qlora_cli.core.wording import count
 from qlora_cli.train.signals import answer_signals, ignore_signals
@@ -433,6 +433,7 @@ def main() -> None:
     """
     other_rank = os.environ.get("RANK", "0") != "0"
     console.quiet = other_rank
+    survive_closed_pipes()
     prefer_expandable_segments()
     answer_signals()
     try:

@@ -960,3 +960,30 @@ def test_a_third_ctrl_c_while_the_stopped_run_closes_says_its_checkpoint_is_save
         f"checkpoint of step 2; the last complete checkpoint is {out / 'checkpoint-2'}; "
     )
     assert checkpoint_problem(out / "checkpoint-2") is None
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_reader_that_goes_away_does_not_stop_the_command(command, tmp_path):
+    """`qlora train ... | head -2`: once the pipes close, the run still trains, saves and logs, and
+    exits 0 as it would have (it died at its next line, with no checkpoint kept)."""
+    config = write_run(tmp_path / "run", max_steps=4, save_steps=2)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "qlora_cli",
+            command,
+            str(config),
+            *(["--show", "3"] if command == "data" else []),
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    child.stdout.close()
+    child.stderr.close()
+    assert child.wait(timeout=600) == 0
+    if command == "train":
+        out = tmp_path / "run" / "out"
+        assert (out / "adapter_model.safetensors").is_file() and (out / "checkpoint-4").is_dir()
+        assert "finished: 4 steps" in (out / "train.log").read_text()

@@ -4,6 +4,9 @@ message stays one line that grep finds whole."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.console import Console, ConsoleDimensions
 from rich.rule import Rule
 
@@ -37,3 +40,41 @@ class OutputConsole(Console):
     def rule(self, title="", **options) -> None:
         """A rule has no natural width; off a terminal it spans the width rich would have wrapped at."""
         self.print(Rule(title, **options), width=Console.size.fget(self).width)
+
+
+class _PipeSafeStream:
+    """A standard stream whose reader may go away (`| head`, a closed terminal): from the first write that
+    finds the pipe closed, its descriptor points at /dev/null, so the command goes on (a run trains,
+    saves and logs to train.log) and exits as it would have, with no traceback at the write or at exit."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_closed_pipes() -> None:
+    """stdout and stderr keep working, writing nowhere, once their reader has closed the pipe."""
+    if not isinstance(sys.stdout, _PipeSafeStream):
+        sys.stdout = _PipeSafeStream(sys.stdout)
+    if not isinstance(sys.stderr, _PipeSafeStream):
+        sys.stderr = _PipeSafeStream(sys.stderr)
