@@ -295,6 +295,19 @@ def test_sampling_repeats_with_its_seed(run, tmp_path, run_cli):
     assert one_choice == greedy
 
 
+def test_sampled_batches_draw_on_from_one_stream(run, tmp_path, run_cli):
+    """The same prompt in two batches gets other samples in the second (best-of-N), where each batch
+    seeded anew repeated the first's draws."""
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(
+        "generate", run, *["--prompt", PROMPTS[0]] * 4, "--out", out, "--max-new-tokens", NEW_TOKENS,
+        "--device", "cpu", "--temperature", "2.0", "--batch-size", "2", "--seed", "3",
+    )  # fmt: skip
+    assert code == 0, err
+    completions = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert completions[:2] != completions[2:]
+
+
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-3])
 def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
     logits = torch.tensor([[1.0, 3.0, -2.0, 2.999], [80.0, -80.0, 79.0, 0.0]]) * 1e3

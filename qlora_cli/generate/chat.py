@@ -22,7 +22,7 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import number
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.prompts import with_system
-from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem
+from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem, seeded_draws
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
@@ -144,6 +144,7 @@ def chat(
         raise QLoraError(problem)
     loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)
     engine = DecodingEngine(loaded.model)
+    draws = seeded_draws(sampling, engine.decoder.device)
     conversation = Conversation(loaded, system)
     budget = loaded.sequence_len
     reserve = min(sampling.max_new_tokens, budget // 2)
@@ -187,7 +188,7 @@ def chat(
         try:
             with StopAnswer() as stop:
                 on_token = functools.partial(_next, stop, stream)
-                generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=on_token)
+                generate_ids(engine, [ids], answer, loaded.stop_ids, on_token=on_token, draws=draws)
         except AnswerStopped:
             _keep_stopped(conversation, stream.finish(), console)
             continue

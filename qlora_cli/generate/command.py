@@ -18,7 +18,7 @@ from qlora_cli.core.files import check_writable, reason, temp_beside
 from qlora_cli.core.wording import count, number
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.prompts import Prompt, check_fits, gather_prompts, render_prompt
-from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem
+from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem, seeded_draws
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.run_tokenizer import check_token_id
 
@@ -66,11 +66,14 @@ def generate(
         )
         engine = DecodingEngine(loaded.model)
         timing = Timing()
+        draws = seeded_draws(sampling, engine.decoder.device)
         rows = []
         for start in range(0, len(given), batch_size):
             batch = ids[start : start + batch_size]
             try:
-                completions = generate_ids(engine, batch, sampling, loaded.stop_ids, timing=timing)
+                completions = generate_ids(
+                    engine, batch, sampling, loaded.stop_ids, timing=timing, draws=draws
+                )
             except torch.OutOfMemoryError:
                 raise OutOfMemory(
                     _out_of_memory(start, batch, len(given), batch_size, sampling, out, writer.rows)

@@ -37,15 +37,21 @@ def sampling_problem(sampling: Sampling) -> str | None:
     return None
 
 
+def seeded_draws(sampling: Sampling, device: torch.device) -> torch.Generator:
+    """The generator a command's sampled tokens are drawn from, one for all its batches or turns: each
+    batch seeded anew would draw what the one before drew (best-of-N samples would repeat)."""
+    return torch.Generator(device=device).manual_seed(sampling.seed)
+
+
 class Sampler:
     """Picks each row's next token from its logits; sampled draws come from one seeded generator, so a
     run with the same seed, prompts and batch repeats exactly."""
 
-    def __init__(self, sampling: Sampling, device: torch.device):
+    def __init__(self, sampling: Sampling, device: torch.device, draws: torch.Generator | None = None):
         if problem := sampling_problem(sampling):
             raise QLoraError(problem)
         self.sampling = sampling
-        self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        self.generator = draws if draws is not None else seeded_draws(sampling, device)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
@@ -99,12 +105,13 @@ def generate_ids(
     *,
     on_token: TokenCallback | None = None,
     timing: Timing | None = None,
+    draws: torch.Generator | None = None,
 ) -> list[Completion]:
     """Decode every prompt (token ids, none empty, each shorter than the model's context) as one batch.
     on_token(row, id) hears each kept token as it is chosen; timing, when given, receives the prefill
-    and decode times."""
+    and decode times; `draws` (seeded_draws) carries the random stream on from an earlier call."""
     device = engine.decoder.device
-    sampler = Sampler(sampling, device)
+    sampler = Sampler(sampling, device, draws)
     limit = engine.max_positions
     longest = max(len(p) for p in prompts)
     if longest >= limit:
