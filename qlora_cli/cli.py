@@ -127,12 +127,19 @@ def train(
             accept_changed_data=accept_changed_data,
             command=["train", str(config), *(option for text in set_ for option in ("--set", text))],
         )
-    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
+    _done(_trained(result))
 
 
 def _done(text: str) -> None:
     """The last line of a command that worked; its text is printed as it is (a path may hold brackets)."""
     console.print(f"[green]done[/]: {escape(text)}")
+
+
+def _trained(result) -> str:
+    """What a train or resume command did, as its last line says it."""
+    if result.steps_run == 0:
+        return f"nothing left to train at step {result.step}, adapter in {result.output_dir}"
+    return f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}"
 
 
 def _timing(result) -> str:
@@ -187,7 +194,7 @@ def resume(
         console=console,
         accept_changed_data=accept_changed_data,
     )
-    _done(f"{count(result.step, 'step')}{_timing(result)}, adapter in {result.output_dir}")
+    _done(_trained(result))
 
 
 @app.command()

@@ -673,6 +673,33 @@ def test_resume_chooses_a_given_checkpoint(tmp_path):
     assert [s for s, _ in _losses(result.output_dir)] == [1, 2, 3, 4]
 
 
+def test_resume_of_a_finished_run_trains_nothing_and_says_so(tmp_path, run_cli):
+    """A run's last checkpoint leaves no step to train: said in a note and the done line, the adapter
+    kept; one past a shortened run (max_steps lowered) is refused, the folder untouched."""
+    result = _run(tmp_path, "run", max_steps=2)
+    out = result.output_dir
+    adapter = (out / "adapter_model.safetensors").read_bytes()
+    code, stdout, err = run_cli("resume", out)
+    assert code == 0, err
+    text = " ".join((stdout + err).split())
+    assert (
+        f"note: {out / 'checkpoint-2'} is this run's last step (2 of 2): nothing left to train; to train "
+        "further, raise num_epochs or max_steps with --set"
+    ) in text
+    assert f"done: nothing left to train at step 2, adapter in {out}" in text
+    assert (out / "adapter_model.safetensors").read_bytes() == adapter
+    files = {
+        path: path.read_bytes() for path in out.rglob("*") if path.is_file() and path.name != "train.log"
+    }
+    assert error_line(run_cli("resume", out, "--set", "max_steps=1")) == (
+        f"error: {out / 'checkpoint-2'} is at step 2, past this run's 1 step: its adapter is that of a longer "
+        "run; to train further, raise num_epochs or max_steps with --set"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "train.log"} == files
+    assert run_cli("resume", out, "--set", "max_steps=3")[0] == 0
+    assert [step for step, _ in _losses(out)] == [1, 2, 3]
+
+
 def test_resume_reads_an_older_checkpoint_that_holds_rng_state(tmp_path):
     """Checkpoints written before training stopped saving RNG state carry an "rng" entry; resume ignores it."""
     result = _run(tmp_path, "run", max_steps=4, save_steps=2)

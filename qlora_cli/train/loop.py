@@ -111,6 +111,7 @@ class TrainResult:
     checkpoint: Path | None
     startup_s: float | None = None  # from `train` being called to the first step starting
     seconds: float | None = None  # from `train` being called to its end
+    steps_run: int | None = None  # this call's steps: 0 when a resumed checkpoint was the run's end
 
 
 @dataclass
@@ -409,6 +410,7 @@ def _train(
     if resume_from is not None:
         saved, state = read_checkpoint_config(resume_from), read_trainer_state(resume_from)
         run.notes += check_continues(saved, config, resume_from)
+        run.notes += _steps_left_note(run, state.step, resume_from)
         run.notes += _batch_plan_note(run, saved, state.step)
         run.notes += training_change(saved, config, state.step)
         change = schedule_change(saved, state, config, run.total_steps)
@@ -459,7 +461,25 @@ def _train(
         out.to_file(
             f"finished: {count(run.total_steps, 'step')} in {total:.1f} s (start-up {startup:.1f} s), adapter in {output_dir}"
         )
-    return TrainResult(output_dir, run.total_steps, loss, last_checkpoint, startup)
+    return TrainResult(
+        output_dir, run.total_steps, loss, last_checkpoint, startup, steps_run=run.total_steps - start
+    )
+
+
+def _steps_left_note(run: Run, step: int, checkpoint: Path) -> list[str]:
+    """A checkpoint at the run's last step leaves nothing to train, which is said; one past it would
+    stand for a shorter run than it is, which is refused."""
+    if step < run.total_steps:
+        return []
+    further = "to train further, raise num_epochs or max_steps with --set"
+    if step > run.total_steps:
+        raise QLoraError(
+            f"{checkpoint} is at step {step}, past this run's {count(run.total_steps, 'step')}: "
+            f"its adapter is that of a longer run; {further}"
+        )
+    return [
+        f"{checkpoint} is this run's last step ({step} of {run.total_steps}): nothing left to train; {further}"
+    ]
 
 
 def _restore(
