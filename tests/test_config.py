@@ -120,6 +120,10 @@ def test_set_overrides_keys_with_yaml_values(tmp_path):
         load_config(path, ["lora_r"])
     with pytest.raises(QLoraError, match="no item 3"):
         load_config(path, ["datasets.3.path=c.jsonl"])
+    with pytest.raises(
+        QLoraError, match=r"^--set test_datasets.0.path: 'test_datasets' is not set, so it has no item 0$"
+    ):
+        load_config(path, ["test_datasets.0.path=c.jsonl"])
     with pytest.raises(QLoraError, match="unknown config key 'lora_rank'"):
         load_config(path, ["lora_rank=4"])
 

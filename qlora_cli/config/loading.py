@@ -36,6 +36,11 @@ def apply_override(raw: dict, path: list[str], value: Any) -> None:
                 raise QLoraError(f"--set {'.'.join(path)}: no item {part} in '{'.'.join(path[:i])}'")
             node = node[int(part)]
         elif isinstance(node, dict):
+            if part not in node and path[i + 1].isdigit():
+                where = ".".join(path[: i + 1])
+                raise QLoraError(
+                    f"--set {'.'.join(path)}: '{where}' is not set, so it has no item {path[i + 1]}"
+                )
             node = node.setdefault(part, {})
         else:
             raise QLoraError(f"--set {'.'.join(path)}: '{'.'.join(path[: i + 1])}' is not a mapping")
