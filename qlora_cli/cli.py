@@ -436,7 +436,8 @@ def profile(
 def main() -> None:
     """Entry point: every error a user can cause ends in one line, never a traceback.
 
-    Under torchrun rank 0 speaks for the run; other ranks print only their own failures.
+    Under torchrun rank 0 speaks for the run; other ranks print only their own failures, which rank 0
+    does not repeat where it failed the same way.
     """
     other_rank = os.environ.get("RANK", "0") != "0"
     console.quiet = other_rank
@@ -447,7 +448,7 @@ def main() -> None:
         app()
     except QLoraError as err:
         ignore_signals()
-        if not other_rank or hasattr(err, "failed_rank"):
+        if (not other_rank or hasattr(err, "failed_rank")) and not getattr(err, "same_error", False):
             console.quiet = False
             style = "yellow" if isinstance(err, RunInterrupted) else "red"
             console.print(

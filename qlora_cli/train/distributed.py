@@ -40,9 +40,11 @@ FAILURE_KEY = "qlora/first-failure"
 
 
 class RankFailed(QLoraError):
-    """Another rank failed first: it printed its own error, and this rank stops because of it."""
+    """Another rank failed first: it printed its own error, and this rank stops because of it.
+    `same_error`: this rank met the same error (bad data every rank reads), so its line would repeat."""
 
     exit_code = 1
+    same_error = False
 
 
 # Outcomes every rank reaches together; rank 0 reports them for all.
@@ -229,8 +231,7 @@ class Distributed:
         """
         if self.store is None:
             return None
-        what = str(err) if isinstance(err, QLoraError) else f"{type(err).__name__}: {err}"
-        mine = json.dumps([self.rank, what])
+        mine = json.dumps([self.rank, _failure_text(err)])
         try:
             first = self.store.compare_set(FAILURE_KEY, "", mine)
         except (RuntimeError, dist.DistError):
@@ -256,13 +257,19 @@ def distributed(device: torch.device) -> Iterator[Distributed]:
             raise
         first = run.first_failure(err)
         if first is not None and first[0] != run.rank:
-            raise RankFailed(f"rank {first[0]} failed: {first[1]}; every rank stopped") from None
+            failed = RankFailed(f"rank {first[0]} failed: {first[1]}; every rank stopped")
+            failed.same_error = first[1] == _failure_text(err)
+            raise failed from None
         if isinstance(err, QLoraError) and not run.is_main:
             err.args = (f"rank {run.rank}: {err}",)
         err.failed_rank = run.rank
         raise
     finally:
         run.close()
+
+
+def _failure_text(err: BaseException) -> str:
+    return str(err) if isinstance(err, QLoraError) else f"{type(err).__name__}: {err}"
 
 
 def check_world_size(checkpoint: Path, world_size: int) -> None:
