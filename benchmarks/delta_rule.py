@@ -11,8 +11,7 @@ torch_chunk_gated_delta_rule, for B x T = 4 x 2048 and 1 x 32768 tokens, each a 
 it to (qlora_cli/model/mixers/gated_deltanet.py's delta_rule_tokens_per_pass).
 Each `--variant` also times ours with some settings replaced: the scans' value columns per program
 (`columns`, default kernels/delta_rule/scan.py's _block_v), `warps` and software-pipelining `stages`;
-the scan programs an SM below which the forward's output is formed outside the scan (`output_per_sm`:
-0 never, 1000 always); the per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages
+the per-chunk backward kernels' Dv and Dk blocks (`chunk_block`) and stages
 (`chunk_stages`); and the warps of the chunk solve (`solve_warps`), of the W/U/Aqk tables
 (`table_warps`) and of the backward's per-chunk kernels (`backward_warps`).
 `--kernels` prints ours' forward and forward+backward by GPU kernel, and fla's where it imports. `--before PATH`
@@ -107,7 +106,6 @@ def value_columns(columns: int) -> dict:
 VARIANT_KEYS = {
     "columns": value_columns,
     "warps": lambda warps: {(scan, "_SCAN_WARPS"): warps},
-    "output_per_sm": lambda programs: {(scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM"): programs},
     "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages},
     "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
     "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},

@@ -27,7 +27,6 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.jit import JITFunction
 
-from benchmarks.variants import patched
 from qlora_kernels import (
     attention,
     conv1d,
@@ -154,8 +153,7 @@ def _meta(*shape, dtype=torch.bfloat16, grad=False):
 
 
 def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[Launch]:
-    """One forward + backward with an initial and a final state, on a packed row, a forward whose output
-    is formed outside the scan (as where the scan's programs are few), and one decode step."""
+    """One forward + backward with an initial and a final state, on a packed row, and one decode step."""
     q, k = _meta(BATCH, SEQ, k_heads, k_dim, grad=True), _meta(BATCH, SEQ, k_heads, k_dim, grad=True)
     v = _meta(BATCH, SEQ, v_heads, v_dim, grad=True)
     g = _meta(BATCH, SEQ, v_heads, dtype=torch.float32, grad=True)
@@ -169,10 +167,6 @@ def delta_rule_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> l
         torch.autograd.grad(
             (o, final), (q, k, v, g, beta, state), (torch.empty_like(o), torch.empty_like(final))
         )
-        with patched({(delta_rule.scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM"): 2**31}):
-            delta_rule.GatedDeltaRuleFunction.apply(
-                q, k, v, g, beta, docs, state, k_dim**-0.5, True, True, None
-            )
         step_state = _meta(BATCH, v_heads, k_dim, v_dim, dtype=torch.float32)
         delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], step_state, k_dim**-0.5, True)
     return launches

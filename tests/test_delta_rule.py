@@ -11,7 +11,6 @@ from qlora_kernels.delta_rule import (
     gated_delta_rule_reference,
     gated_delta_rule_step,
     gated_delta_rule_step_reference,
-    scan,
 )
 
 # Tolerance, as a fraction of the expected tensor's largest magnitude. In fp32 every output, state
@@ -86,14 +85,6 @@ def _grads(outputs, leaves, out_grads):
     return torch.autograd.grad([o for o, _ in pairs], leaves, [d for _, d in pairs], allow_unused=True)
 
 
-@pytest.fixture(params=["in-scan", "from-states"])
-def output_place(request, monkeypatch):
-    """The forward's output formed inside the scan's loop, or chunk-parallel from the states the scan
-    stores (the delta rule picks by how many scan programs an SM gets): each must be right."""
-    monkeypatch.setattr(scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM", 0 if request.param == "in-scan" else 2**31)
-
-
-@pytest.mark.usefixtures("output_place")
 @pytest.mark.parametrize(
     ("batch", "seq", "k_heads", "packed", "with_state", "normalize_qk"),
     [(1, SEQ, 2, False, False, True), (2, SEQ, 1, True, True, True), (1, 100, 2, False, True, False)],
@@ -105,7 +96,6 @@ def test_triton_matches_reference(batch, seq, k_heads, packed, with_state, norma
     _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk)
 
 
-@pytest.mark.usefixtures("output_place")
 def test_state_crosses_chunks_under_weak_decay():
     """_inputs' decay sums to about -20 over a chunk, so what the state carries into the next chunk
     is e^-20 of what that chunk adds, below TOL. A decay 70 times weaker (about -0.3 a chunk) makes
@@ -113,14 +103,12 @@ def test_state_crosses_chunks_under_weak_decay():
     _check_against_reference(2, SEQ, 1, True, True, True, g_scale=0.015)
 
 
-@pytest.mark.usefixtures("output_place")
 def test_state_gradients_add_up_over_value_blocks():
     """Dv = 72: the backward's state pass takes the [Dk, Dv] states in two blocks of 64 columns, the
     second mostly padding, and adds both blocks' shares of dq, dk, dW and db."""
     _check_against_reference(2, SEQ, 1, True, True, True, v_dim=72)
 
 
-@pytest.mark.usefixtures("output_place")
 @pytest.mark.parametrize("with_state", [True, False], ids=["with-state", "no-state"])
 @pytest.mark.parametrize(
     "tokens_per_pass", [150, 100, 64], ids=["row-by-row", "spans-of-one-chunk-and-a-tail", "chunk-by-chunk"]
@@ -171,24 +159,6 @@ def _assert_matches_reference(fn, leaves, doc_ids, with_state, normalize_qk=True
         _assert_close(actual, expected, name=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_output_from_the_stored_states_is_the_scans_to_the_bit(monkeypatch, dtype):
-    """The states and corrections the scan stores are rounded as its own products round them (to the
-    tables' dtype), so forming o from them chunk-parallel changes no bit of o or of the final state."""
-    q, k, v, g, beta, state = (t.detach() for t in _inputs(seed=4))
-    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
-    outputs = {}
-    for place, per_sm in (("in-scan", 0), ("from-states", 2**31)):
-        monkeypatch.setattr(scan, "_OUTPUT_IN_SCAN_PROGRAMS_PER_SM", per_sm)
-        outputs[place] = gated_delta_rule(
-            q, k, v, g, beta, PACKED, initial_state=state, output_final_state=True
-        )
-    for name, in_scan, from_states in zip(["o", "final state"], *outputs.values(), strict=True):
-        assert in_scan.dtype == from_states.dtype
-        assert torch.equal(in_scan, from_states), name
-
-
-@pytest.mark.usefixtures("output_place")
 def test_packed_row_equals_documents_one_by_one():
     """Each document of a packed row, run alone from a zero state (the first from initial_state)."""
     q, k, v, g, beta, state = (t.detach() for t in _inputs(batch=1, seed=2))
@@ -334,7 +304,6 @@ GPU_TOKENS_PER_PASS = [None, 2048, 1024]
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("output_place")
 @pytest.mark.parametrize("tokens_per_pass", GPU_TOKENS_PER_PASS)
 def test_gpu_bf16_against_fp32_reference(tokens_per_pass):
     leaves = _gpu_case()
@@ -362,7 +331,6 @@ def test_gpu_bf16_against_fp32_reference(tokens_per_pass):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("output_place")
 def test_gpu_packed_row_equals_documents_one_by_one():
     q, k, v, g, beta, _ = (t.detach() for t in _gpu_case(seed=2))
     doc_ids = _doc_ids(GPU_PACKED).cuda()
@@ -378,7 +346,6 @@ def test_gpu_packed_row_equals_documents_one_by_one():
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("output_place")
 @pytest.mark.parametrize("tokens_per_pass", GPU_TOKENS_PER_PASS)
 def test_gpu_cuda_graph_replay_equals_eager(tokens_per_pass):
     """Forward + backward captured in one graph, and the decode step in another, replay bit for bit

@@ -9,9 +9,9 @@ quantity is masked to pairs of tokens of one document and the log-decay is summe
 never offset by a huge number.
 
 The stages, each a module: reference (token by token), tables (the per-chunk tables), scan (the
-state pass, with the output or storing the states, and its reverse), output (the output from the
-stored states, chunk-parallel), backward (the chunk-parallel gradients), step (one decode token),
-function (the autograd Function and the public calls); common holds what they share.
+state pass, with the output or storing the states, and its reverse), backward (the chunk-parallel
+gradients), step (one decode token), function (the autograd Function and the public calls); common
+holds what they share.
 """
 
 from .common import CHUNK

@@ -9,9 +9,8 @@ from qlora_kernels._layout import documents_per_token, unit_last_stride
 
 from .backward import _chunk_backward
 from .common import CHUNK, _table_dtype
-from .output import _chunk_output
 from .reference import gated_delta_rule_reference, gated_delta_rule_step_reference
-from .scan import _output_in_scan, _scan_forward
+from .scan import _scan_forward
 from .step import _step
 from .tables import _chunk_cumsum, _chunk_solve, _chunk_tables, _normalized, _normalized_backward
 
@@ -47,17 +46,13 @@ def _prepare(q, k, v, g, docs, scale, normalize_qk):
 def _chunk_forward(q, k, v, beta, b, docs, t, initial_state, output_final_state, store_states):
     """The chunked forward on normalised q, k (in the tables' dtype), the per-chunk cumulative
     log-decay b and the chunks' T; with store_states, backward's rerun: no output, and the tables
-    and per-chunk states that backward reads. The output comes from the scan, or from the states it
-    stores where its programs are few (scan._output_in_scan)."""
+    and per-chunk states that backward reads."""
     w, u, aqk = _chunk_tables(q, k, v, beta, b, docs, t)
-    if store_states or not _output_in_scan(v):
-        _, final, (h, delta) = _scan_forward(
-            q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, True
-        )
-        if store_states:
-            return None, final, (t, w, u, aqk, h, delta)
-        return _chunk_output(q, aqk, b, docs, h, delta, v.dtype), final, None
-    o, final, _ = _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, False)
+    o, final, states = _scan_forward(
+        q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states
+    )
+    if store_states:
+        return None, final, (t, w, u, aqk, *states)
     return o, final, None
 
 
@@ -97,8 +92,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     backward recomputes the other chunk tables and the per-chunk states, pass by pass (_passes),
     last span first. T is a quarter of the tables' bytes (Hv x CHUNK values a token), and keeping it
     spares backward the triangular solve.
-    The forward takes whole rows at once: its other tables (and, where the scan stores them for
-    output.py, the per-chunk states and corrections) live only while it runs, beside no MLP slice,
+    The forward takes whole rows at once: its other tables live only while it runs, beside no MLP slice,
     and a pass of fewer rows leaves SMs idle in the scan (1.38 against 0.80 ms at 4 x 2048 in two
     passes, H200)."""
 

@@ -1,10 +1,10 @@
 """The state pass: the chunks in order, each (Dv block, row, v-head) carrying its slice of the fp32
-state, with the output formed on the way or the states stored for output.py to form it; and the same
-in reverse for the state's gradient."""
+state, with the output formed on the way (or, for backward's rerun, the states stored instead); and
+the same in reverse for the state's gradient."""
 
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors
+from qlora_kernels._dispatch import TRITON_AVAILABLE
 
 from .common import CHUNK, _block
 
@@ -52,8 +52,7 @@ if TRITON_AVAILABLE:
         delta = U - W S;  o = (carry exp(b) Q) S + Aqk delta;
         S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta.
         With STORE_STATES it stores the entering states (in the tables' dtype: only products read
-        them) and the corrections, and skips o: for backward's rerun, which does not read o, and
-        for a forward whose o output.py forms from them."""
+        them) and the corrections, and skips o: for backward's rerun, which does not read o."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
@@ -223,25 +222,9 @@ def _block_v(v_dim: int) -> int:
     return min(32, _block(v_dim))
 
 
-# Where the forward's output is formed. Inside the scan's serial loop it adds two products to the
-# two the recurrence needs (delta = U - W S, the state's update), each chunk; with a few programs an
-# SM, their latency hides behind one another's. With fewer than this many programs an SM (on the
-# H200's 132 SMs: the 9B's 32 v-heads in one or two rows, 128 or 256 programs; the 27B's 48 in one
-# row, 192), the scan stores the states instead, as backward's rerun does, and output.py forms the
-# output chunk-parallel, as flash-linear-attention splits its forward.
-_OUTPUT_IN_SCAN_PROGRAMS_PER_SM = 2
-
-
-def _output_in_scan(v: torch.Tensor) -> bool:
-    """Whether the forward scan over v's rows and heads forms the output itself."""
-    batch, _, v_heads, v_dim = v.shape
-    programs = triton.cdiv(v_dim, _block_v(v_dim)) * batch * v_heads
-    return programs >= _OUTPUT_IN_SCAN_PROGRAMS_PER_SM * multiprocessors(v.device)
-
-
 def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states):
-    """o, the final state (or None) and, with store_states (backward's rerun, or a forward whose output
-    output.py forms), no o but the state entering each chunk and the corrections delta = U - W S."""
+    """o, the final state (or None) and, with store_states (backward's rerun), no o but the state
+    entering each chunk and the corrections delta = U - W S."""
     batch, seq, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2:]
     n_chunks = triton.cdiv(seq, CHUNK)
