@@ -142,6 +142,23 @@ def test_routing_ties_go_as_transformers_breaks_them(tmp_path):
     assert _max_error(ours, load_transformers(folder), _ids(ours.spec.vocab_size)) < 1e-4
 
 
+def test_a_tokens_routing_does_not_depend_on_the_rows_beside_it():
+    """bf16 hidden states at the 35B-A3B's router shape (2048 wide, 256 experts, top 8): the first rows
+    of a micro-batch get the same experts alone as among 4096 rows (as a CUDA graph pads a short
+    micro-batch), and the router's probabilities within fp32's rounding. The GEMM's kernel changes with the row count, so its sums differ in the last bits: in fp32 that is
+    ~1e-7 of a logit of ~2, where a bf16 product rounds a logit to 2^-8 of it (~1e-2), a probability's
+    relative error; on the H200 bf16 logits changed a graph-captured MoE run's gradients. rtol 1e-5
+    lies between the two."""
+    generator = torch.Generator().manual_seed(0)
+    router = (0.05 * torch.randn(256, 2048, generator=generator)).bfloat16()
+    x = torch.randn(4096, 2048, generator=generator).bfloat16()
+    together_probs, _, together_experts = moe.route(x, router, 8, True)
+    for rows in (1, 7, 384):
+        probs, _, experts = moe.route(x[:rows], router, 8, True)
+        assert torch.equal(experts, together_experts[:rows])
+        torch.testing.assert_close(probs, together_probs[:rows], rtol=1e-5, atol=0)
+
+
 def _moe_spec(top_k: int, hidden: int, dtype=torch.float32, renormalise: bool = False) -> ModelSpec:
     """A one-layer MoE of 4 routed experts of intermediate size hidden / 2 alone, no shared expert."""
     return ModelSpec(

@@ -39,8 +39,13 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool):
     """(probs [tokens, experts] fp32, weights [tokens, k] in x's dtype, experts [tokens, k]) for x
     [tokens, hidden]: the softmax of the router's logits in fp32 (what the load-balancing loss reads),
     its top k as torch.topk orders them (ties to the lower expert index, as transformers' router breaks
-    them), summing to 1 when `renormalise`."""
-    probs = torch.softmax(F.linear(x, router.to(x.dtype)).float(), dim=-1)
+    them), summing to 1 when `renormalise`.
+
+    The logits are an fp32 product, as llama.cpp's router and Megatron's fp32 router take them: a bf16
+    GEMM's rounding depends on how many rows it is given (its kernel and split change with them), so a
+    token's experts would change with the rows beside it in its micro-batch, or with the rows a CUDA
+    graph pads a short one with."""
+    probs = torch.softmax(F.linear(x.float(), router.float()), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
