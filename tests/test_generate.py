@@ -550,7 +550,14 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
     not_json.write_text(json.dumps({"prompt": "ok"}) + "\n\n{oops\n")
     listed = tmp_path / "listed.jsonl"
     listed.write_text("[1]\n")
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"messages": [{"role": "user", "content": "ok \\ud800"}]}\n')
     for args, message in [
+        # A byte that is not UTF-8 in an argument reaches Python as a surrogate (surrogateescape).
+        (["--prompt", "caf\udce9"], "--prompt 1: the prompt is not UTF-8 text (byte 0xe9 at character 4)"),
+        (["--prompt", "caf\udce9", "--raw"], "--prompt 1: the prompt is not UTF-8 text (byte 0xe9"),
+        (["--prompt", "hi", "--system", "s\udce9"], "--system is not UTF-8 text (byte 0xe9 at character 2)"),
+        (["--prompts", surrogate], f"{surrogate}:1: the prompt is not UTF-8 text (lone surrogate U+D800 at"),
         (["--prompts", empty], "holds no prompts"),
         (["--prompts", no_field], f"{no_field}:2: the row has neither 'prompt' nor 'messages'"),
         (["--prompts", not_json], f"{not_json}:3: not valid JSON (Expecting property name"),
@@ -649,6 +656,16 @@ def test_chat_drops_the_oldest_turns_past_sequence_len(run, run_cli, monkeypatch
     assert "dropped the oldest turn to stay within sequence_len 512" in err
     too_long, err = chat_session(run_cli, monkeypatch, run, [" ".join(["w1"] * 600)], "--max-new-tokens", "8")
     assert too_long == "" and "does not fit in sequence_len 512" in err
+
+
+def test_a_chat_line_that_is_not_utf8_is_said_and_the_chat_goes_on(run, tmp_path, run_cli, monkeypatch):
+    stdout, err = chat_session(
+        run_cli, monkeypatch, run, ["caf\udce9", "/system s\udce9", PROMPTS[0]], "--max-new-tokens", "12"
+    )
+    assert err.count("(that line is not UTF-8 text (byte 0xe9 at character ") == 2
+    assert stdout == f"{ours_file(run_cli, run, tmp_path, [{'role': 'user', 'content': PROMPTS[0]}])}\n"
+    line = error_line(run_cli("chat", run, "--device", "cpu", "--system", "s\udce9"))
+    assert line == "error: --system is not UTF-8 text (byte 0xe9 at character 2)"
 
 
 def test_a_message_too_long_for_chat_keeps_the_conversation(run, tmp_path, run_cli, monkeypatch):

@@ -21,7 +21,7 @@ from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.wording import number
 from qlora_cli.generate.decoding import DecodingEngine
-from qlora_cli.generate.prompts import with_system
+from qlora_cli.generate.prompts import check_text, text_problem, with_system
 from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem, seeded_draws
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.tokenizer import ChatTokenizer
@@ -142,6 +142,11 @@ def chat(
     console = console or OutputConsole(stderr=True)
     if problem := sampling_problem(sampling):
         raise QLoraError(problem)
+    if system is not None:
+        check_text(system, "--system")
+    if hasattr(stdin, "reconfigure"):
+        # Bytes that are not UTF-8 come through as surrogates, for a line saying so, not a traceback.
+        stdin.reconfigure(errors="surrogateescape")
     loaded = load_source(source, base_only=base_only, device=device, base_model=base_model)
     engine = DecodingEngine(loaded.model)
     draws = seeded_draws(sampling, engine.decoder.device)
@@ -160,6 +165,9 @@ def chat(
         if not line:
             break
         text = line.rstrip("\n")
+        if problem := text_problem(text):
+            console.print(f"(that line {problem}; send it again)", highlight=False, markup=False)
+            continue
         command, _, argument = text.strip().partition(" ")
         if command == "/exit":
             break

@@ -17,7 +17,7 @@ from qlora_cli.core.errors import OutOfMemory, QLoraError, WriteFailed
 from qlora_cli.core.files import check_writable, reason, temp_beside
 from qlora_cli.core.wording import count, number
 from qlora_cli.generate.decoding import DecodingEngine
-from qlora_cli.generate.prompts import Prompt, check_fits, gather_prompts, render_prompt
+from qlora_cli.generate.prompts import Prompt, check_fits, check_text, gather_prompts, render_prompt
 from qlora_cli.generate.sampling import Sampling, Timing, generate_ids, sampling_problem, seeded_draws
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.run_tokenizer import check_token_id
@@ -46,6 +46,8 @@ def generate(
         raise QLoraError(problem)
     if raw and system is not None:
         raise QLoraError("--system needs the chat template; drop --raw")
+    if system is not None:
+        check_text(system, "--system")
     if batch_size < 1:
         raise QLoraError(f"--batch-size must be at least 1, got {batch_size}")
     if out is not None and prompt_file is not None and Path(out).resolve() == Path(prompt_file).resolve():

@@ -67,11 +67,32 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     return prompts
 
 
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized, or None. Bytes that are not UTF-8 reach a str from the command
+    line or a terminal as lone surrogates (Python's surrogateescape), and a JSON escape can write
+    one; the tokenizer takes only whole characters."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        return f"is not UTF-8 text ({what} at character {err.start + 1})"
+    return None
+
+
+def check_text(text: str, where: str) -> None:
+    if problem := text_problem(text):
+        raise QLoraError(f"{where} {problem}")
+
+
 def gather_prompts(texts: list[str], prompt_file: Path | None) -> list[Prompt]:
     """--prompt strings first, then the file's rows."""
     prompts = [Prompt(f"--prompt {index + 1}", text=text) for index, text in enumerate(texts)]
     if prompt_file is not None:
         prompts += read_prompt_file(prompt_file)
+    for prompt in prompts:
+        for message in prompt.messages or [{"content": prompt.text}]:
+            check_text(message["content"], f"{prompt.where}: the prompt")
     if not prompts:
         raise QLoraError("no prompt given; add --prompt TEXT or --prompts FILE.jsonl")
     return prompts
