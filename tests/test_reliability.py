@@ -732,6 +732,24 @@ def test_a_checkpoint_that_lost_its_manifest_is_damaged(tmp_path, run_cli):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_newest_checkpoint_without_its_trainer_state_is_damaged(tmp_path, run_cli):
+    """A checkpoint folder that lost its trainer state (the file that marks a checkpoint) is named as
+    damaged, as one missing any other file is, not passed over for an older one without a word; an
+    older one in that state (a removal killed midway) is never in the way."""
+    config = write_run(tmp_path / "run", max_steps=6, save_steps=2, save_total_limit=5)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    (out / "checkpoint-2" / "trainer_state.json").unlink()
+    assert run_cli("export", out, "--out", tmp_path / "ok")[0] == 0
+    (out / "checkpoint-6" / "trainer_state.json").unlink()
+    missing = f"error: checkpoint {out / 'checkpoint-6'} is incomplete: trainer_state.json is missing"
+    line = error_line(run_cli("export", out, "--out", tmp_path / "x"))
+    assert line.startswith(missing) and line.endswith(f"`qlora export {out / 'checkpoint-4'} --out …`")
+    line = error_line(run_cli("resume", out))
+    assert line.startswith(missing) and f"qlora resume {out} --checkpoint {out / 'checkpoint-4'}" in line
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
     config, model, optimizer = _tiny_model(tmp_path)
     folder = save_checkpoint(tmp_path / "out", 2, model, optimizer, TrainerState(2, run_id="old"), config)

@@ -81,6 +81,29 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def stateless_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Folders named like checkpoints that hold the files only a checkpoint writes (the optimizer's, the
+    manifest) but no trainer state: damaged (a file deleted, a copy cut short), since a save writes the
+    state before the folder takes its name. An export named like a checkpoint holds none of them;
+    a removal killed midway leaves one, but removes old checkpoints, never the newest."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for entry in output_dir.iterdir():
+        match = CHECKPOINT_NAME.match(entry.name)
+        damaged = entry.is_dir() and not is_checkpoint(entry)
+        if (
+            match
+            and damaged
+            and any(
+                (entry / name).exists() for name in (OPTIMIZER_TENSORS, OPTIMIZER_SETTINGS, MANIFEST_FILE)
+            )
+        ):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
 def checkpoint_run(folder: Path) -> str | None:
     """The run id a checkpoint records (None for checkpoints written before runs had ids).
 

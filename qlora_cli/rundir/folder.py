@@ -31,6 +31,7 @@ from qlora_cli.rundir.checkpoint import (
     readable_checkpoints,
     remove_checkpoint,
     run_checkpoints,
+    stateless_checkpoints,
 )
 from qlora_cli.rundir.names import (
     ADAPTER_WEIGHTS,
@@ -77,7 +78,10 @@ def usable_checkpoint(output_dir: Path, use_instead: Callable[[Path], str]) -> P
     output_dir = Path(output_dir)
     run_id = owner_run(output_dir)
     damaged = None
-    for _, folder in reversed(list_checkpoints(output_dir)):
+    for _, folder in reversed(sorted([*list_checkpoints(output_dir), *stateless_checkpoints(output_dir)])):
+        if not is_checkpoint(folder):
+            damaged = damaged or f"checkpoint {folder} is incomplete: {STATE_FILE} is missing"
+            continue
         try:
             if checkpoint_run(folder) != run_id:
                 continue
