@@ -14,9 +14,9 @@ from qlora_cli.config.loading import load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import SHIPPED_TEMPLATES
 from qlora_cli.data.report import data_report
-from qlora_cli.generate.source import stop_ids
 from qlora_cli.sources.chat_templates import SHIPPED, choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import stop_ids
 
 QWEN3_5_TEMPLATE = DEMO_TOKENIZER.parents[2] / "tests" / "templates" / "qwen3_5.jinja"
 CHAT = [

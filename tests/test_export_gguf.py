@@ -32,6 +32,7 @@ from checkpoints import (
     load_transformers,
     subprocess_env,
     write_llama,
+    write_llama3_tokenizer,
     write_mistral,
     write_qwen2,
     write_qwen3,
@@ -254,6 +255,34 @@ def test_modelfile_and_card_say_how_to_run_it(exports):
     assert "llama-cli -m model-q8_0.gguf" in card and "ollama create" in card and "q8_0" in card
 
 
+def _base_llama(folder: Path) -> Path:
+    """A base (not Instruct) Llama 3: its eos is <|end_of_text|>, and the llama3 template's turns end in
+    <|eot_id|>."""
+    folder = write_llama(folder)
+    write_llama3_tokenizer(folder, 320, eos_token="<|end_of_text|>")
+    return folder
+
+
+def test_merged_and_gguf_exports_stop_where_the_runs_answers_end(tmp_path):
+    """A base Llama trained on the llama3 template ends its answers with <|eot_id|>, where qlora generate
+    stops: the merged export's generation_config.json lists it (and <|eom_id|>, where held) after the base's eos,
+    so transformers and vLLM stop there too, and the Modelfile stops on it."""
+    run = make_run(tmp_path, "llama", writer=_base_llama, chat_template="llama3")
+    base = json.loads((tmp_path / "model" / "generation_config.json").read_text())["eos_token_id"]
+    tokenizer = ChatTokenizer.from_folder(tmp_path / "model")
+    held = [
+        t for t in ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>") if tokenizer.token_to_id(t) is not None
+    ]
+    assert held[0] == "<|eot_id|>" and tokenizer.token_to_id("<|eot_id|>") != base
+    ends = [tokenizer.token_to_id(t) for t in held]
+    merged = export(run, tmp_path / "merged", merged=True).out
+    config = json.loads((merged / "generation_config.json").read_text())
+    assert config["eos_token_id"] == [base, *sorted(set(ends) - {base})]
+    modelfile = (export(run, tmp_path / "gguf", gguf=True).out / "Modelfile").read_text()
+    stops = [line for line in modelfile.splitlines() if line.startswith("PARAMETER stop")]
+    assert stops == [f'PARAMETER stop "{t}"' for t in held]
+
+
 def test_modelfile_carries_a_default_system_prompt(tmp_path):
     """qwen_25 writes a default system turn when a chat has none; Ollama gets it as SYSTEM."""
     run = _make_run(tmp_path, "qwen2", chat_template="qwen_25")
@@ -458,10 +487,10 @@ def test_a_template_that_is_not_chatml_gets_no_ollama_template():
     other = base.with_chat_template(
         "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}### assistant:", "test"
     )
-    text = modelfile("model-f16.gguf", other)
+    text = modelfile("model-f16.gguf", other, {})
     assert "TEMPLATE" not in text and "SYSTEM" not in text and text.startswith("# The chat template")
     assert "FROM ./model-f16.gguf\n" in text and 'PARAMETER stop "<|im_end|>"' in text
-    assert "TEMPLATE" in modelfile("model-f16.gguf", base)
+    assert "TEMPLATE" in modelfile("model-f16.gguf", base, {})
 
 
 def test_cli_help_names_the_gguf_options(run_cli):
@@ -526,10 +555,10 @@ def test_a_default_system_prompt_with_quotes_reads_back_or_is_left_out():
     from qlora_cli.export.gguf.ollama import modelfile
 
     holdable = 'Quote "like this" and fence with """'
-    text = modelfile("m.gguf", _with_system_prompt(holdable))
+    text = modelfile("m.gguf", _with_system_prompt(holdable), {})
     (line,) = [line for line in text.splitlines() if line.startswith("SYSTEM ")]
     assert _ollama_argument(line.removeprefix("SYSTEM ")) == holdable
-    text = modelfile("m.gguf", _with_system_prompt('Fence code in """ like this.'))
+    text = modelfile("m.gguf", _with_system_prompt('Fence code in """ like this.'), {})
     assert "SYSTEM" not in text and "# Left out: the default system prompt" in text
     assert "TEMPLATE" in text and 'PARAMETER stop "<|im_end|>"' in text
 

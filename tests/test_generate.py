@@ -34,13 +34,14 @@ from qlora_cli.generate import command as generate_command
 from qlora_cli.generate.chat import TextStream
 from qlora_cli.generate.decoding import DecodingEngine
 from qlora_cli.generate.sampling import Completion, Sampler, Sampling, generate_ids
-from qlora_cli.generate.source import load_source, stop_ids
+from qlora_cli.generate.source import load_source
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import lora_config, select_device
 from qlora_cli.rundir.checkpoint import save_checkpoint
 from qlora_cli.rundir.trainer_state import TrainerState
 from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import stop_ids
 from qlora_cli.train.loop import train
 from qlora_kernels import nf4_matvec
 from qlora_kernels.formats import NF4

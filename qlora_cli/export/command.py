@@ -21,7 +21,7 @@ from qlora_cli.export.gguf.writer import DEFAULT_GGUF_TYPE, check_gguf_type, imp
 from qlora_cli.export.gguf_folder import write_gguf_folder
 from qlora_cli.export.merge import DTYPES, Merge, training_dtype
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
-from qlora_cli.export.tokenizer_files import write_tokenizer
+from qlora_cli.export.tokenizer_files import write_generation_config, write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
@@ -217,6 +217,8 @@ def export(
             write_json(temp / ADAPTER_CONFIG, adapter_config(skeleton, config))
         if not gguf:
             write_tokenizer(config, base_folder, temp)
+        if merged:
+            write_generation_config(config, base_folder, temp)
         card = model_card(
             config,
             state,

@@ -39,5 +39,7 @@ def write_gguf_folder(folder: Path, config: TrainConfig, merge: Merge, gguf_type
     model_name = config.base_model.rstrip("/").rsplit("/", 1)[-1] + "-qlora"
     tensors = merged_tensors(merge)
     write_gguf(folder / name, spec, names, tensors, vocabulary, gguf_type, model_name)
-    (folder / "Modelfile").write_text(modelfile(name, tokenizer), encoding="utf-8")
+    (folder / "Modelfile").write_text(
+        modelfile(name, tokenizer, dict(config.chat_template_kwargs)), encoding="utf-8"
+    )
     return name

@@ -17,8 +17,15 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.files import write_json
 from qlora_cli.sources.chat_templates import choose_template
-from qlora_cli.sources.hf_files import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILES
+from qlora_cli.sources.hf_files import (
+    CHAT_TEMPLATE_FILE,
+    GENERATION_CONFIG,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILES,
+)
+from qlora_cli.sources.run_tokenizer import chat_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import stop_ids
 
 
 def write_tokenizer(config: TrainConfig, base_folder: Path, folder: Path) -> None:
@@ -44,3 +51,20 @@ def write_tokenizer(config: TrainConfig, base_folder: Path, folder: Path) -> Non
         if (folder / CHAT_TEMPLATE_FILE).is_file():
             (folder / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     write_json(config_file, settings)
+
+
+def write_generation_config(config: TrainConfig, base_folder: Path, folder: Path) -> None:
+    """The base's generation_config.json (written in `folder` already, or none), its eos_token_id
+    holding every token the run's answers end with, where `qlora generate` stops: a base trained on
+    a chat template whose turns end in another token (Llama 3's <|eot_id|> beside <|end_of_text|>)
+    would otherwise run on past the turn in transformers or vLLM."""
+    path = folder / GENERATION_CONFIG
+    settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    given = settings.get("eos_token_id")
+    given = [] if given is None else [given] if isinstance(given, int) else list(given)
+    stops = stop_ids(chat_tokenizer(config, base_folder), dict(config.chat_template_kwargs))
+    ends = [*given, *sorted(stops - set(given))]
+    if ends == given:
+        return
+    settings["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    write_json(path, settings)

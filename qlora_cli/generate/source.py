@@ -20,16 +20,12 @@ from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint
 from qlora_cli.rundir.folder import usable_checkpoint
 from qlora_cli.rundir.names import ADAPTER_WEIGHTS
 from qlora_cli.rundir.trainer_state import is_checkpoint
-from qlora_cli.sources.chat_templates import choose_template
 from qlora_cli.sources.hub import resolve_model
-from qlora_cli.sources.run_tokenizer import dataset_template, run_tokenizer
+from qlora_cli.sources.run_tokenizer import chat_tokenizer
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import stop_ids
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
-_PROBE = "\ue000qlora-answer\ue001"
-# Llama 3 closes a chat turn with <|eot_id|>, a tool call's turn with <|eom_id|> and a text with
-# <|end_of_text|>; a model may end its answer with any of them.
-_ALSO_ENDS = {"<|eot_id|>": ("<|eom_id|>", "<|end_of_text|>")}
 
 
 @dataclass
@@ -91,38 +87,6 @@ def find_source(
 
 def _checkpoint_of(output_dir: Path) -> Path | None:
     return usable_checkpoint(output_dir, lambda found: f"generate with it: `qlora generate {found} …`")
-
-
-def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:
-    """The run's tokenizer with the chat template its (first) dataset rendered with."""
-    tokenizer = run_tokenizer(folder, config)
-    if not config.datasets:
-        return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
-    return dataset_template(tokenizer, config.datasets[0], config)
-
-
-def end_of_turn(tokenizer: ChatTokenizer, variables: dict) -> str | None:
-    """The special token that closes an assistant turn: the one a shipped template declares, else the
-    first special token the chat template writes after an assistant's answer, if it writes one."""
-    if tokenizer.end_of_turn is not None:
-        return tokenizer.end_of_turn
-    if tokenizer.chat_template is None:
-        return None
-    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-    try:
-        text = tokenizer.render_chat(messages, **variables)
-    except QLoraError:
-        return None
-    after = text[text.find(_PROBE) + len(_PROBE) :] if _PROBE in text else ""
-    found = [(after.find(t), t) for t in tokenizer.special_tokens if t in after]
-    return min(found)[1] if found else None
-
-
-def stop_ids(tokenizer: ChatTokenizer, variables: dict) -> set[int]:
-    """eos, the end of a turn, and the other ends of a turn's family that the vocabulary holds."""
-    turn_end = end_of_turn(tokenizer, variables)
-    ends = [tokenizer.eos_token, *([turn_end, *_ALSO_ENDS.get(turn_end, ())] if turn_end else [])]
-    return {id_ for id_ in map(tokenizer.token_to_id, ends) if id_ is not None}
 
 
 def load_source(

@@ -27,6 +27,14 @@ def dataset_template(tokenizer: ChatTokenizer, dataset: DatasetConfig, config: T
     return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
 
 
+def chat_tokenizer(config: TrainConfig, folder: Path) -> ChatTokenizer:
+    """The run's tokenizer with the chat template its (first) dataset rendered with."""
+    tokenizer = run_tokenizer(folder, config)
+    if not config.datasets:
+        return choose_template(tokenizer, config.chat_template, config.chat_template_jinja)
+    return dataset_template(tokenizer, config.datasets[0], config)
+
+
 def check_token_id(tokenizer: ChatTokenizer, vocab_size: int, token_id: int, what: str) -> None:
     """The model's embedding has a row for `token_id` (`what` says where it comes from): a tokenizer
     larger than config.json's vocab_size, another model's, writes ids the embedding lookup fails on."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import stop_tokens
 
 START, END = "<|im_start|>", "<|im_end|>"
 CHATML_TEMPLATE = (
@@ -78,23 +79,21 @@ def quote(text: str, marks: tuple[str, ...] = ('"""', '"')) -> str | None:
     return None
 
 
-def modelfile(gguf_name: str, tokenizer: ChatTokenizer) -> str:
-    """FROM the GGUF, the run's chat format as a Go TEMPLATE (and SYSTEM) when it is ChatML, and stop
-    tokens that end a turn."""
+def modelfile(gguf_name: str, tokenizer: ChatTokenizer, variables: dict) -> str:
+    """FROM the GGUF, the run's chat format as a Go TEMPLATE (and SYSTEM) when it is ChatML, and the
+    tokens that end an answer, where `qlora generate` stops (`variables`: the template's)."""
     is_chatml, system = chatml_system(tokenizer)
     lines = [f"FROM ./{gguf_name}"]
-    stops = [tokenizer.eos_token]
     if is_chatml:
         lines.append(f"TEMPLATE {quote(CHATML_TEMPLATE)}")
         if system is not None:
             quoted = quote(system)
             lines.append(f"SYSTEM {quoted}" if quoted else _UNQUOTABLE.format("default system prompt"))
-        stops = [END, *(token for token in stops if token != END)]
     else:
         lines.insert(
             0, "# The chat template is not plain ChatML; Ollama derives one from the GGUF's chat template."
         )
-    for token in stops:
+    for token in stop_tokens(tokenizer, variables):
         quoted = quote(token, ('"', '"""'))
         lines.append(f"PARAMETER stop {quoted}" if quoted else _UNQUOTABLE.format(f"stop token {token!r}"))
     return "\n".join(lines) + "\n"

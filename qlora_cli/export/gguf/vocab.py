@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.sources.hf_files import TOKENIZER_FILE
 from qlora_cli.sources.tokenizer import ChatTokenizer
+from qlora_cli.sources.turn_ends import end_of_turn
 
 TOKENIZER_MODEL = "gpt2"
 # Each split a byte-level BPE tokenizer runs first (tokenizer.json's Split regex), by llama.cpp's name for
@@ -162,7 +163,7 @@ def read_vocabulary(
 def _end_of_turn(chat: ChatTokenizer) -> int | None:
     """The token that closes a turn when it is not EOS (Llama 3's <|eot_id|> beside <|end_of_text|>):
     llama.cpp otherwise guesses it by name, and may pick either."""
-    for token in (chat.end_of_turn, "<|eot_id|>", "<|im_end|>"):
+    for token in (end_of_turn(chat, {}), "<|eot_id|>", "<|im_end|>"):
         index = chat.token_to_id(token) if token else None
         if index is not None and index != chat.eos_token_id:
             return index
