@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.export import command
 from qlora_cli.export.command import export
 from qlora_cli.export.merge import training_dtype
 from qlora_cli.export.shards import parse_size
@@ -454,3 +455,22 @@ def test_a_base_that_breaks_midway_leaves_nothing_behind(tmp_path, run_cli):
         run_cli("export", output_dir, "--out", tmp_path / "o", "--merged")
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def hidden_beside(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
+
+
+def test_files_put_in_out_during_the_export_are_kept(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = tmp_path / "o"
+    write_tokenizer = command.write_tokenizer
+
+    def another_writer(config, base_folder, folder):
+        write_tokenizer(config, base_folder, folder)
+        out.mkdir(exist_ok=True)
+        (out / "theirs.txt").write_text("keep me")
+
+    monkeypatch.setattr(command, "write_tokenizer", another_writer)
+    assert "was filled while the export ran" in error_line(run_cli("export", output_dir, "--out", out))
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not hidden_beside(out)
