@@ -1,6 +1,8 @@
 """Export: PEFT loads the adapter, transformers loads the merged model, and both match our model."""
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -359,10 +361,10 @@ def test_parse_size_refuses_nonsense(text):
         parse_size(text)
 
 
-def error_line(result) -> str:
+def error_line(result, exit_code: int = 2) -> str:
     code, _, err = result
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert code == exit_code and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("error: ")
     return lines[0]
 
@@ -474,3 +476,45 @@ def test_files_put_in_out_during_the_export_are_kept(tmp_path, run_cli, monkeypa
     monkeypatch.setattr(command, "write_tokenizer", another_writer)
     assert "was filled while the export ran" in error_line(run_cli("export", output_dir, "--out", out))
     assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not hidden_beside(out)
+
+
+def out_with_old_files(tmp_path: Path) -> Path:
+    out = tmp_path / "o"
+    (out / "locked").mkdir(parents=True)
+    (out / "locked" / "old.bin").write_text("old")
+    (out / "old.txt").write_text("old")
+    return out
+
+
+def test_force_keeps_the_export_when_the_old_out_cannot_be_deleted_whole(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = out_with_old_files(tmp_path)
+    rmtree = shutil.rmtree
+
+    def refusing_rmtree(path, *args, **kwargs):  # stands for a subfolder the filesystem will not delete
+        if (Path(path) / "locked").exists():
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "locked" / "old.bin"))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refusing_rmtree)
+    code, _, err = run_cli("export", output_dir, "--out", out, "--force")
+    aside = tmp_path / f".o.old-export-{os.getpid()}"
+    assert code == 0 and f"what is left of it is in {aside}" in " ".join(err.split()), err
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "old.txt").exists()
+    assert (aside / "old.txt").read_text() == "old" and hidden_beside(out) == [aside.name]
+
+
+def test_force_leaves_out_as_it_was_when_it_cannot_be_moved_aside(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = out_with_old_files(tmp_path)
+    rename = Path.rename
+
+    def busy_out(path, target):  # stands for a mount point, which cannot be renamed
+        if path == out:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        return rename(path, target)
+
+    monkeypatch.setattr(Path, "rename", busy_out)
+    line = error_line(run_cli("export", output_dir, "--out", out, "--force"), exit_code=1)
+    assert f"--out {out} could not be moved aside to be replaced (Device or resource busy)" in line
+    assert sorted(p.name for p in out.iterdir()) == ["locked", "old.txt"] and not hidden_beside(out)

@@ -20,7 +20,7 @@ from qlora_cli.export.gguf.vocab import check_tokenizer
 from qlora_cli.export.gguf.writer import DEFAULT_GGUF_TYPE, check_gguf_type, import_gguf
 from qlora_cli.export.gguf_folder import write_gguf_folder
 from qlora_cli.export.merge import DTYPES, Merge, training_dtype
-from qlora_cli.export.out_folder import move_into_place
+from qlora_cli.export.out_folder import move_into_place, replace_out
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
 from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
@@ -228,12 +228,10 @@ def export(
             layout=spec.layout,
         )
         (temp / "README.md").write_text(card, encoding="utf-8")
-        if not force:
-            move_into_place(temp, out)
+        if force:
+            notes.extend(replace_out(temp, out))
         else:
-            if out.exists():
-                shutil.rmtree(out)
-            temp.rename(out)
+            move_into_place(temp, out)
     except OSError as err:
         raise WriteFailed(f"could not write the export to {out}: {describe(err, temp)}") from None
     finally:
