@@ -518,3 +518,16 @@ def test_force_leaves_out_as_it_was_when_it_cannot_be_moved_aside(tmp_path, run_
     line = error_line(run_cli("export", output_dir, "--out", out, "--force"), exit_code=1)
     assert f"--out {out} could not be moved aside to be replaced (Device or resource busy)" in line
     assert sorted(p.name for p in out.iterdir()) == ["locked", "old.txt"] and not hidden_beside(out)
+
+
+def test_a_symlink_out_is_refused_before_the_export(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "real").mkdir()
+    for target in (tmp_path / "real", tmp_path / "gone"):
+        link = tmp_path / "link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        line = error_line(run_cli("export", output_dir, "--out", link))
+        assert f"--out {link} is a symbolic link to {target}; give the folder's own path, {target}" in line
+        assert not any((tmp_path / "real").iterdir()) and not (tmp_path / "gone").exists()
+        assert not hidden_beside(link)

@@ -20,7 +20,7 @@ from qlora_cli.export.gguf.vocab import check_tokenizer
 from qlora_cli.export.gguf.writer import DEFAULT_GGUF_TYPE, check_gguf_type, import_gguf
 from qlora_cli.export.gguf_folder import write_gguf_folder
 from qlora_cli.export.merge import DTYPES, Merge, training_dtype
-from qlora_cli.export.out_folder import move_into_place, replace_out
+from qlora_cli.export.out_folder import check_out_path, move_into_place, replace_out
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
 from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
@@ -179,6 +179,8 @@ def export(
     the local base the checkpoint trained on is now, when it moved.
     """
     base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
+    out = Path(out)
+    check_out_path(out)
     checkpoint = find_checkpoint(source)
     config, notes = checkpoint_base(checkpoint, read_checkpoint_config(checkpoint), base_model)
     state = read_trainer_state(checkpoint)
@@ -187,7 +189,6 @@ def export(
             f"checkpoint {checkpoint} trained on an unquantized base (load_in_4bit: false); "
             "--base nf4 would merge onto weights it never saw, use --base original"
         )
-    out = Path(out)
     _check_place(out)
     _check_out(out, force, [checkpoint, Path.cwd()])
     try:

@@ -14,6 +14,14 @@ from qlora_cli.core.files import describe, reason
 _TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR)
 
 
+def check_out_path(out: Path) -> None:
+    """Refuse up front an --out that the export could write but not rename into place, before the work
+    of an export that would be discarded at the end."""
+    if out.is_symlink():
+        target = os.path.realpath(out)
+        raise QLoraError(f"--out {out} is a symbolic link to {target}; give the folder's own path, {target}")
+
+
 def move_into_place(temp: Path, out: Path) -> None:
     """Rename the finished export to --out. The OS renames a folder only onto a missing or empty one,
     checked in the same step, so files put in --out while the export ran are never replaced."""
