@@ -4,6 +4,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -531,3 +533,23 @@ def test_a_symlink_out_is_refused_before_the_export(tmp_path, run_cli):
         assert f"--out {link} is a symbolic link to {target}; give the folder's own path, {target}" in line
         assert not any((tmp_path / "real").iterdir()) and not (tmp_path / "gone").exists()
         assert not hidden_beside(link)
+
+
+def test_an_export_removes_what_killed_exports_to_its_out_left(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead = int(gone.stdout)
+    stale = [tmp_path / f".o.tmp-export-{dead}", tmp_path / f".o.old-export-{dead}"]
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        running = tmp_path / f".o.tmp-export-{live.pid}"
+        for folder in (*stale, running, tmp_path / f".other.tmp-export-{dead}"):
+            folder.mkdir()
+            (folder / "model.bin").write_bytes(bytes(3000))
+        code, _, err = run_cli("export", output_dir, "--out", tmp_path / "o")
+        live.kill()
+    err = " ".join(err.split())
+    assert code == 0 and err.count("note:") == 2, err
+    for folder in stale:
+        assert f"removed {folder} (2.9 KiB), left by an export to the same --out killed midway" in err
+    assert hidden_beside(tmp_path / "o") == [running.name]
+    assert (tmp_path / f".other.tmp-export-{dead}" / "model.bin").is_file()

@@ -6,7 +6,6 @@ leaves nothing half-written behind.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,13 @@ from qlora_cli.export.gguf.vocab import check_tokenizer
 from qlora_cli.export.gguf.writer import DEFAULT_GGUF_TYPE, check_gguf_type, import_gguf
 from qlora_cli.export.gguf_folder import write_gguf_folder
 from qlora_cli.export.merge import DTYPES, Merge, training_dtype
-from qlora_cli.export.out_folder import check_out_path, move_into_place, replace_out
+from qlora_cli.export.out_folder import (
+    check_out_path,
+    move_into_place,
+    remove_stale,
+    replace_out,
+    temp_folder,
+)
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
 from qlora_cli.export.tokenizer_files import write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
@@ -206,7 +211,8 @@ def export(
 
     round_trip = training_dtype(state) if base == "nf4" else None
     merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip, skeleton.lora.expert_targets)
-    temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
+    notes.extend(remove_stale(out))
+    temp = temp_folder(out)
     shards, gguf_file = 0, None
     try:
         temp.mkdir(parents=True)

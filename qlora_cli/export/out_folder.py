@@ -1,15 +1,18 @@
 """Where `qlora export` puts its result: the folder built under a temporary name is renamed to --out
-in a way that loses no file the user did not ask to replace, and never the export itself."""
+in a way that loses no file the user did not ask to replace, and never the export itself; what an
+export killed midway left beside --out is removed by the next one."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, reason
+from qlora_cli.core.wording import byte_size
 
 _TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR)
 
@@ -72,3 +75,43 @@ def _move_aside(out: Path, aside: Path) -> bool:
             "was and the export discarded"
         ) from None
     return True
+
+
+def temp_folder(out: Path) -> Path:
+    """The hidden folder beside --out that this process builds the export in."""
+    return out.with_name(f".{out.name}.tmp-export-{os.getpid()}")
+
+
+def remove_stale(out: Path) -> list[str]:
+    """Delete the folders beside --out that exports to it left when killed midway (their process is
+    gone): nothing else ever would, and a merged model's is many GB. Returns a note for each."""
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?:tmp|old)-export-(\d+)")
+    notes = []
+    for path in sorted(out.parent.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not _running(int(match.group(1))):
+            notes.append(_remove_left(path))
+    return notes
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_left(folder: Path) -> str:
+    size = sum(
+        os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(folder) for name in files
+    )
+    try:
+        shutil.rmtree(folder)
+    except OSError as err:
+        return f"could not remove {folder}, left by an export killed midway: {describe(err, folder)}"
+    return f"removed {folder} ({byte_size(size)}), left by an export to the same --out killed midway"
