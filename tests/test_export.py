@@ -553,3 +553,12 @@ def test_an_export_removes_what_killed_exports_to_its_out_left(tmp_path, run_cli
         assert f"removed {folder} (2.9 KiB), left by an export to the same --out killed midway" in err
     assert hidden_beside(tmp_path / "o") == [running.name]
     assert (tmp_path / f".other.tmp-export-{dead}" / "model.bin").is_file()
+
+
+def test_an_out_inside_a_file_is_refused_naming_the_file(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "afile").write_text("mine")
+    for out in (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub" / "deeper"):
+        line = error_line(run_cli("export", output_dir, "--out", out))
+        assert f"--out {out} cannot be made: its parent {tmp_path / 'afile'} is a file, not a folder" in line
+    assert (tmp_path / "afile").read_text() == "mine"

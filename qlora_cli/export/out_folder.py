@@ -23,6 +23,9 @@ def check_out_path(out: Path) -> None:
     if out.is_symlink():
         target = os.path.realpath(out)
         raise QLoraError(f"--out {out} is a symbolic link to {target}; give the folder's own path, {target}")
+    parent = next((folder for folder in out.parents if folder.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise QLoraError(f"--out {out} cannot be made: its parent {parent} is a file, not a folder")
 
 
 def move_into_place(temp: Path, out: Path) -> None:
