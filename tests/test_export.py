@@ -562,3 +562,11 @@ def test_an_out_inside_a_file_is_refused_naming_the_file(tmp_path, run_cli):
         line = error_line(run_cli("export", output_dir, "--out", out))
         assert f"--out {out} cannot be made: its parent {tmp_path / 'afile'} is a file, not a folder" in line
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_an_empty_out_is_refused(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert "--out is empty" in error_line(run_cli("export", output_dir, "--out", ""))
+    assert not any((tmp_path / "here").iterdir())

@@ -22,6 +22,7 @@ from qlora_cli.export.merge import DTYPES, Merge, training_dtype
 from qlora_cli.export.out_folder import (
     check_out_path,
     move_into_place,
+    out_path,
     remove_stale,
     replace_out,
     temp_folder,
@@ -164,7 +165,7 @@ def _check_options(
 
 def export(
     source: Path,
-    out: Path,
+    out: str | Path,
     *,
     merged: bool = False,
     base: str | None = None,
@@ -184,7 +185,7 @@ def export(
     the local base the checkpoint trained on is now, when it moved.
     """
     base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
-    out = Path(out)
+    out = out_path(out)
     check_out_path(out)
     checkpoint = find_checkpoint(source)
     config, notes = checkpoint_base(checkpoint, read_checkpoint_config(checkpoint), base_model)

@@ -17,6 +17,13 @@ from qlora_cli.core.wording import byte_size
 _TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR)
 
 
+def out_path(given: str | Path) -> Path:
+    """--out as a path; an empty one is refused, as Path("") would be the current folder."""
+    if str(given) == "":
+        raise QLoraError("--out is empty; give the folder to write the export to")
+    return Path(given)
+
+
 def check_out_path(out: Path) -> None:
     """Refuse up front an --out that the export could write but not rename into place, before the work
     of an export that would be discarded at the end."""
