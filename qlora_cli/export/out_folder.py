@@ -25,8 +25,8 @@ def out_path(given: str | Path) -> Path:
 
 
 def check_out_path(out: Path) -> None:
-    """Refuse up front an --out that the export could write but not rename into place, before the work
-    of an export that would be discarded at the end."""
+    """Refuse up front an --out the export could not end in (a symbolic link, a path under a file),
+    rather than after all its work."""
     if out.is_symlink():
         target = os.path.realpath(out)
         raise QLoraError(f"--out {out} is a symbolic link to {target}; give the folder's own path, {target}")
