@@ -207,8 +207,12 @@ def export(
         ),
     ],
     out: Annotated[
-        Path,
-        typer.Option(help="Folder to write; it must be new or empty unless --force.", show_default=False),
+        str,  # a Path would take "" as the current folder
+        typer.Option(
+            help="Folder to write; it must be new or empty unless --force.",
+            metavar="<path>",
+            show_default=False,
+        ),
     ],
     merged: Annotated[
         bool,

@@ -1,7 +1,11 @@
 """Export: PEFT loads the adapter, transformers loads the merged model, and both match our model."""
 
+import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.names import ALL_PROJECTIONS
+from qlora_cli.export import command
 from qlora_cli.export.command import export
 from qlora_cli.export.merge import training_dtype
 from qlora_cli.export.shards import parse_size
@@ -358,10 +363,10 @@ def test_parse_size_refuses_nonsense(text):
         parse_size(text)
 
 
-def error_line(result) -> str:
+def error_line(result, exit_code: int = 2) -> str:
     code, _, err = result
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert code == exit_code and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("error: ")
     return lines[0]
 
@@ -454,3 +459,114 @@ def test_a_base_that_breaks_midway_leaves_nothing_behind(tmp_path, run_cli):
         run_cli("export", output_dir, "--out", tmp_path / "o", "--merged")
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def hidden_beside(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
+
+
+def test_files_put_in_out_during_the_export_are_kept(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = tmp_path / "o"
+    write_tokenizer = command.write_tokenizer
+
+    def another_writer(config, base_folder, folder):
+        write_tokenizer(config, base_folder, folder)
+        out.mkdir(exist_ok=True)
+        (out / "theirs.txt").write_text("keep me")
+
+    monkeypatch.setattr(command, "write_tokenizer", another_writer)
+    assert "was filled while the export ran" in error_line(run_cli("export", output_dir, "--out", out))
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not hidden_beside(out)
+
+
+def out_with_old_files(tmp_path: Path) -> Path:
+    out = tmp_path / "o"
+    (out / "locked").mkdir(parents=True)
+    (out / "locked" / "old.bin").write_text("old")
+    (out / "old.txt").write_text("old")
+    return out
+
+
+def test_force_keeps_the_export_when_the_old_out_cannot_be_deleted_whole(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = out_with_old_files(tmp_path)
+    rmtree = shutil.rmtree
+
+    def refusing_rmtree(path, *args, **kwargs):  # stands for a subfolder the filesystem will not delete
+        if (Path(path) / "locked").exists():
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "locked" / "old.bin"))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refusing_rmtree)
+    code, _, err = run_cli("export", output_dir, "--out", out, "--force")
+    aside = tmp_path / f".o.old-export-{os.getpid()}"
+    assert code == 0 and f"what is left of it is in {aside}" in " ".join(err.split()), err
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "old.txt").exists()
+    assert (aside / "old.txt").read_text() == "old" and hidden_beside(out) == [aside.name]
+
+
+def test_force_leaves_out_as_it_was_when_it_cannot_be_moved_aside(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    out = out_with_old_files(tmp_path)
+    rename = Path.rename
+
+    def busy_out(path, target):  # stands for a mount point, which cannot be renamed
+        if path == out:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        return rename(path, target)
+
+    monkeypatch.setattr(Path, "rename", busy_out)
+    line = error_line(run_cli("export", output_dir, "--out", out, "--force"), exit_code=1)
+    assert f"--out {out} could not be moved aside to be replaced (Device or resource busy)" in line
+    assert sorted(p.name for p in out.iterdir()) == ["locked", "old.txt"] and not hidden_beside(out)
+
+
+def test_a_symlink_out_is_refused_before_the_export(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "real").mkdir()
+    for target in (tmp_path / "real", tmp_path / "gone"):
+        link = tmp_path / "link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        line = error_line(run_cli("export", output_dir, "--out", link))
+        assert f"--out {link} is a symbolic link to {target}; give the folder's own path, {target}" in line
+        assert not any((tmp_path / "real").iterdir()) and not (tmp_path / "gone").exists()
+        assert not hidden_beside(link)
+
+
+def test_an_export_removes_what_killed_exports_to_its_out_left(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead = int(gone.stdout)
+    stale = [tmp_path / f".o.tmp-export-{dead}", tmp_path / f".o.old-export-{dead}"]
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        running = tmp_path / f".o.tmp-export-{live.pid}"
+        for folder in (*stale, running, tmp_path / f".other.tmp-export-{dead}"):
+            folder.mkdir()
+            (folder / "model.bin").write_bytes(bytes(3000))
+        code, _, err = run_cli("export", output_dir, "--out", tmp_path / "o")
+        live.kill()
+    err = " ".join(err.split())
+    assert code == 0 and err.count("note:") == 2, err
+    for folder in stale:
+        assert f"removed {folder} (2.9 KiB), left by an export to the same --out killed midway" in err
+    assert hidden_beside(tmp_path / "o") == [running.name]
+    assert (tmp_path / f".other.tmp-export-{dead}" / "model.bin").is_file()
+
+
+def test_an_out_inside_a_file_is_refused_naming_the_file(tmp_path, run_cli):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "afile").write_text("mine")
+    for out in (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub" / "deeper"):
+        line = error_line(run_cli("export", output_dir, "--out", out))
+        assert f"--out {out} cannot be made: its parent {tmp_path / 'afile'} is a file, not a folder" in line
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_an_empty_out_is_refused(tmp_path, run_cli, monkeypatch):
+    output_dir = make_run(tmp_path, "qwen2")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert "--out is empty" in error_line(run_cli("export", output_dir, "--out", ""))
+    assert not any((tmp_path / "here").iterdir())

@@ -1,4 +1,4 @@
-"""Counts and numbers as messages print them: "1 step", "2 steps", "1,048,576", never "1 steps" or "1.04858e+06"."""
+"""Counts and numbers as messages print them: "1 step", "2 steps", "1,048,576", "2.5 GiB", never "1 steps" or "1.04858e+06"."""
 
 from __future__ import annotations
 
@@ -13,3 +13,12 @@ def number(value: float) -> str:
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and the noun, plural unless n is 1: count(3, "process", "processes")."""
     return f"{number(n)} {noun if n == 1 else plural or noun + 's'}"
+
+
+def byte_size(n: int) -> str:
+    """A size in bytes in binary units, KiB to GiB: "512 B", "2.5 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError

@@ -6,7 +6,6 @@ leaves nothing half-written behind.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,14 @@ from qlora_cli.export.gguf.vocab import check_tokenizer
 from qlora_cli.export.gguf.writer import DEFAULT_GGUF_TYPE, check_gguf_type, import_gguf
 from qlora_cli.export.gguf_folder import write_gguf_folder
 from qlora_cli.export.merge import DTYPES, Merge, training_dtype
+from qlora_cli.export.out_folder import (
+    check_out_path,
+    move_into_place,
+    out_path,
+    remove_stale,
+    replace_out,
+    temp_folder,
+)
 from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merged
 from qlora_cli.export.tokenizer_files import write_generation_config, write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
@@ -158,7 +165,7 @@ def _check_options(
 
 def export(
     source: Path,
-    out: Path,
+    out: str | Path,
     *,
     merged: bool = False,
     base: str | None = None,
@@ -178,6 +185,8 @@ def export(
     the local base the checkpoint trained on is now, when it moved.
     """
     base, dtype, gguf_type, max_bytes = _check_options(merged, gguf, base, dtype, max_shard_size, gguf_type)
+    out = out_path(out)
+    check_out_path(out)
     checkpoint = find_checkpoint(source)
     config, notes = checkpoint_base(checkpoint, read_checkpoint_config(checkpoint), base_model)
     state = read_trainer_state(checkpoint)
@@ -186,7 +195,6 @@ def export(
             f"checkpoint {checkpoint} trained on an unquantized base (load_in_4bit: false); "
             "--base nf4 would merge onto weights it never saw, use --base original"
         )
-    out = Path(out)
     _check_place(out)
     _check_out(out, force, [checkpoint, Path.cwd()])
     try:
@@ -204,7 +212,8 @@ def export(
 
     round_trip = training_dtype(state) if base == "nf4" else None
     merge = Merge(base_folder, spec, adapter, skeleton.lora.scaling, round_trip, skeleton.lora.expert_targets)
-    temp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
+    notes.extend(remove_stale(out))
+    temp = temp_folder(out)
     shards, gguf_file = 0, None
     try:
         temp.mkdir(parents=True)
@@ -229,9 +238,10 @@ def export(
             layout=spec.layout,
         )
         (temp / "README.md").write_text(card, encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        temp.rename(out)
+        if force:
+            notes.extend(replace_out(temp, out))
+        else:
+            move_into_place(temp, out)
     except OSError as err:
         raise WriteFailed(f"could not write the export to {out}: {describe(err, temp)}") from None
     finally:

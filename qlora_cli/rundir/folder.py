@@ -22,6 +22,7 @@ from pathlib import Path
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError, WriteFailed
 from qlora_cli.core.files import describe, replace_file
+from qlora_cli.core.wording import byte_size
 from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
@@ -262,19 +263,11 @@ def space_needed(spec: ModelSpec, config: TrainConfig) -> int:
     return 2 * (CHECKPOINT_ADAPTER_COPIES * adapter + CHECKPOINT_OVERHEAD) + adapter
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def check_free_space(output_dir: Path, needed: int) -> None:
     free = shutil.disk_usage(output_dir).free
     if free < needed:
         raise QLoraError(
-            f"output_dir {output_dir} has {_size(free)} free and this run needs about {_size(needed)} "
+            f"output_dir {output_dir} has {byte_size(free)} free and this run needs about {byte_size(needed)} "
             "(two checkpoints and the final adapter); free some space or choose another output_dir"
         )
 
