@@ -131,7 +131,9 @@ def train(
 
 
 def _done(text: str) -> None:
-    """The last line of a command that worked; its text is printed as it is (a path may hold brackets)."""
+    """The last line of a command that worked; its text is printed as it is (a path may hold brackets).
+    The work is done, so a Ctrl-C from here on is ignored: it could only cut this line or the exit."""
+    ignore_signals()
     console.print(f"[green]done[/]: {escape(text)}")
 
 

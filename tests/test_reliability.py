@@ -613,6 +613,20 @@ def test_a_hub_base_is_found_by_its_id_and_cannot_be_replaced(tmp_path):
     assert checkpoint_base(tmp_path, config, None) == (config, [])
 
 
+def test_a_signal_after_the_done_line_is_ignored(tmp_path, run_cli):
+    """Once train, resume or export prints `done:`, the work is on disk: a Ctrl-C in the moment before
+    the process exits neither turns the exit into 130 nor prints a traceback from interpreter shutdown."""
+    config = write_run(tmp_path / "run", max_steps=1)
+    try:
+        for command in (("train", config), ("export", tmp_path / "run" / "out", "--out", tmp_path / "x")):
+            code, _, err = run_cli(*command)
+            assert code == 0 and "done: " in err, err
+            assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in (signal.SIGINT, signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_saved_files_follow_the_umask(tmp_path, run_cli):
     config = write_run(tmp_path / "run", max_steps=2)
     assert run_cli("train", config)[0] == 0
