@@ -346,6 +346,11 @@ def test_model_card_says_what_was_trained_and_how_it_was_merged(run, tmp_path, r
     ):
         assert text in card
     assert "r=4, alpha=8" in card and "NF4 round trip" in card and "bfloat16" in card
+    # The projections that carry LoRA in this model, as adapter_config.json lists them.
+    targets = json.loads((export(run, tmp_path / "t").out / "adapter_config.json").read_text())[
+        "target_modules"
+    ]
+    assert f"targets {', '.join(targets)}; norms" in card
     adapter_card = (export(run, tmp_path / "a").out / "README.md").read_text()
     assert "PeftModel.from_pretrained" in adapter_card and "merged onto" not in adapter_card
 

@@ -39,10 +39,12 @@ def model_card(
     merged: bool,
     dtype: str | None,
     round_trip: torch.dtype | None,
+    targets: list[str],
     gguf_file: str | None = None,
     layout: str = TEXT_LAYOUT,
 ) -> str:
-    """A short README.md: what was trained, on what, for how long, and how it was exported."""
+    """A short README.md: what was trained, on what, for how long, and how it was exported. `targets`:
+    what carries LoRA in this model (the config's list may name projections it lacks)."""
     revision = f" at revision `{config.revision}`" if config.revision else ""
     lora = lora_config(config)
     data = ", ".join(f"`{d.path}` ({d.type})" for d in config.datasets)
@@ -61,7 +63,7 @@ def model_card(
         (
             "LoRA",
             f"r={lora.r}, alpha={lora.alpha:g}, dropout={lora.dropout:g}, rsLoRA {'on' if lora.use_rslora else 'off'}, "
-            f"scaling {lora.scaling:g}, targets {', '.join(lora.target_modules)}; "
+            f"scaling {lora.scaling:g}, targets {', '.join(targets)}; "
             f"norms {'trained' if lora.train_norms else 'frozen'}",
         )
     )

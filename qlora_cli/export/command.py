@@ -31,7 +31,12 @@ from qlora_cli.export.shards import SAFETENSORS_METADATA, parse_size, write_merg
 from qlora_cli.export.tokenizer_files import write_generation_config, write_tokenizer
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import lora_config
-from qlora_cli.rundir.adapter import adapter_config, adapter_state_dict, load_adapter_state
+from qlora_cli.rundir.adapter import (
+    adapted_projections,
+    adapter_config,
+    adapter_state_dict,
+    load_adapter_state,
+)
 from qlora_cli.rundir.base_model import checkpoint_base
 from qlora_cli.rundir.checkpoint import read_checkpoint_adapter, read_checkpoint_config
 from qlora_cli.rundir.folder import is_run_folder, usable_checkpoint
@@ -234,6 +239,10 @@ def export(
             merged=merged or gguf,
             dtype=gguf_type if gguf else dtype,
             round_trip=round_trip,
+            targets=[
+                *sorted(adapted_projections(skeleton)),
+                *(f"experts.{name}" for name in skeleton.lora.expert_targets),
+            ],
             gguf_file=gguf_file,
             layout=spec.layout,
         )
