@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,17 +68,22 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Every checkpoint folder of every run, oldest first. Temporary folders are never listed."""
+def _named_checkpoints(output_dir: Path, keep: Callable[[Path], bool]) -> list[tuple[int, Path]]:
+    """(step, folder) of the folders named like checkpoints that `keep` takes, oldest first."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
     for entry in output_dir.iterdir():
         match = CHECKPOINT_NAME.match(entry.name)
-        if match and is_checkpoint(entry):
+        if match and keep(entry):
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint folder of every run, oldest first. Temporary folders are never listed."""
+    return _named_checkpoints(output_dir, is_checkpoint)
 
 
 def stateless_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -86,22 +91,13 @@ def stateless_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     manifest) but no trainer state: damaged (a file deleted, a copy cut short), since a save writes the
     state before the folder takes its name. An export named like a checkpoint holds none of them;
     a removal killed midway leaves one, but removes old checkpoints, never the newest."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    found = []
-    for entry in output_dir.iterdir():
-        match = CHECKPOINT_NAME.match(entry.name)
-        damaged = entry.is_dir() and not is_checkpoint(entry)
-        if (
-            match
-            and damaged
-            and any(
-                (entry / name).exists() for name in (OPTIMIZER_TENSORS, OPTIMIZER_SETTINGS, MANIFEST_FILE)
-            )
-        ):
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
+
+    def damaged(folder: Path) -> bool:
+        only_checkpoints_write = (OPTIMIZER_TENSORS, OPTIMIZER_SETTINGS, MANIFEST_FILE)
+        held = any((folder / name).exists() for name in only_checkpoints_write)
+        return folder.is_dir() and not is_checkpoint(folder) and held
+
+    return _named_checkpoints(output_dir, damaged)
 
 
 def checkpoint_run(folder: Path) -> str | None:
