@@ -183,6 +183,16 @@ def test_chat_template_that_rewrites_history_is_refused(tmp_path):
             "chat_template",
             r"bad\.jsonl:3: message 0: missing field 'content'",
         ),
+        (
+            '{"instruction": "bad \\ud800", "output": "x"}',
+            "alpaca",
+            r"bad\.jsonl:3: the row is not UTF-8 text \(lone surrogate U\+D800 at character \d+\)",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi \\udc80"}, {"role": "assistant", "content": "x"}]}',
+            "chat_template",
+            r"bad\.jsonl:3: the row is not UTF-8 text \(byte 0x80 at character \d+\)",
+        ),
     ],
 )
 def test_bad_rows_name_file_and_line(tok, tmp_path, bad_line, type, message):

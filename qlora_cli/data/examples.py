@@ -26,6 +26,7 @@ import torch
 
 from qlora_cli.config.schema import DatasetConfig, TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.text import text_problem
 from qlora_cli.core.wording import count, number
 from qlora_cli.data import prompts
 from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list
@@ -82,6 +83,14 @@ def _shard(rows: list, shards: int, index: int) -> list:
     return rows[start : start + size + (index < extra)]
 
 
+def _refuse_untokenizable(rows: list[tuple[str, dict]], rendered: list) -> None:
+    """The row whose text the tokenizer refused (a JSON \\ud800 escape leaves a lone surrogate), named."""
+    for (where, _), row in zip(rows, rendered, strict=True):
+        for text, _ in row.segments:
+            if problem := text_problem(text):
+                raise QLoraError(f"{where}: the row {problem}")
+
+
 def load_examples(
     dataset: DatasetConfig,
     tokenizer: ChatTokenizer,
@@ -115,7 +124,11 @@ def load_examples(
         )
         for where, row in rows
     ]
-    flat_ids = iter(tokenizer.encode_batch([text for r in rendered for text, _ in r.segments]))
+    try:
+        flat_ids = iter(tokenizer.encode_batch([text for r in rendered for text, _ in r.segments]))
+    except TypeError:
+        _refuse_untokenizable(rows, rendered)
+        raise
     result = ExampleList(rows=len(rendered))
     for row in rendered:
         ids: list[int] = []

@@ -19,9 +19,10 @@ from rich.markup import escape
 
 from qlora_cli.core.console import OutputConsole
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.text import text_problem
 from qlora_cli.core.wording import number
 from qlora_cli.generate.decoding import DecodingEngine
-from qlora_cli.generate.prompts import check_text, text_problem, with_system
+from qlora_cli.generate.prompts import check_text, with_system
 from qlora_cli.generate.sampling import Sampling, generate_ids, sampling_problem, seeded_draws
 from qlora_cli.generate.source import GenerationSource, load_source
 from qlora_cli.sources.tokenizer import ChatTokenizer

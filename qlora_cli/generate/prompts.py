@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.jsonl import json_lines, json_type
+from qlora_cli.core.text import text_problem
 from qlora_cli.core.wording import count, number
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
@@ -65,19 +66,6 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     if not prompts:
         raise QLoraError(f"--prompts {path} holds no prompts")
     return prompts
-
-
-def text_problem(text: str) -> str | None:
-    """Why `text` cannot be tokenized, or None. Bytes that are not UTF-8 reach a str from the command
-    line or a terminal as lone surrogates (Python's surrogateescape), and a JSON escape can write
-    one; the tokenizer takes only whole characters."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        code = ord(text[err.start])
-        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
-        return f"is not UTF-8 text ({what} at character {err.start + 1})"
-    return None
 
 
 def check_text(text: str, where: str) -> None:
