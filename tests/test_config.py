@@ -124,6 +124,17 @@ def test_set_overrides_keys_with_yaml_values(tmp_path):
         QLoraError, match=r"^--set test_datasets.0.path: 'test_datasets' is not set, so it has no item 0$"
     ):
         load_config(path, ["test_datasets.0.path=c.jsonl"])
+    path.write_text(path.read_text() + "lora_r: 8\nfsdp:\n")
+    for override, message in [
+        ("lora_r.x=1", "--set lora_r.x: 'lora_r' is not a mapping"),
+        ("lora_r.x.y=1", "--set lora_r.x.y: 'lora_r' is not a mapping"),
+        ("datasets.0.type.field=x", "--set datasets.0.type.field: 'datasets.0.type' is not a mapping"),
+        ("fsdp.0=x", "--set fsdp.0: 'fsdp' is not set, so it has no item 0"),
+        ("datasets.1=x", "--set datasets.1: no item 1 in 'datasets'"),
+    ]:
+        with pytest.raises(QLoraError) as refused:
+            load_config(path, [override])
+        assert str(refused.value) == message
     with pytest.raises(QLoraError, match="unknown config key 'lora_rank'"):
         load_config(path, ["lora_rank=4"])
 

@@ -36,18 +36,22 @@ def apply_override(raw: dict, path: list[str], value: Any) -> None:
                 raise QLoraError(f"--set {'.'.join(path)}: no item {part} in '{'.'.join(path[:i])}'")
             node = node[int(part)]
         elif isinstance(node, dict):
-            if part not in node and path[i + 1].isdigit():
+            if node.get(part) is None and path[i + 1].isdigit():
                 where = ".".join(path[: i + 1])
                 raise QLoraError(
                     f"--set {'.'.join(path)}: '{where}' is not set, so it has no item {path[i + 1]}"
                 )
-            node = node.setdefault(part, {})
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
         else:
-            raise QLoraError(f"--set {'.'.join(path)}: '{'.'.join(path[: i + 1])}' is not a mapping")
+            raise QLoraError(f"--set {'.'.join(path)}: '{'.'.join(path[:i])}' is not a mapping")
     last = path[-1]
+    if not isinstance(node, list | dict):
+        raise QLoraError(f"--set {'.'.join(path)}: '{'.'.join(path[:-1])}' is not a mapping")
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
-            raise QLoraError(f"--set {'.'.join(path)}: no item {last}")
+            raise QLoraError(f"--set {'.'.join(path)}: no item {last} in '{'.'.join(path[:-1])}'")
         node[int(last)] = value
     else:
         node[last] = value
