@@ -81,6 +81,16 @@ def test_csv_cells_stay_text(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "items.json"])
+def test_a_byte_order_mark_is_skipped(tmp_path, name):
+    """Windows editors start a UTF-8 file with a BOM; `datasets` reads such JSON, and so does qlora."""
+    row = {"instruction": "a", "output": "b"}
+    text = json.dumps([row]) if name == "items.json" else json.dumps(row) + "\n"
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [found for _, found in read_rows(path)] == [row]
+
+
 def test_where_names_file_and_row(tok, tmp_path):
     path = write(tmp_path / "rows.parquet", [{"text": "a"}, {"body": "b"}], "parquet")
     with pytest.raises(QLoraError, match=r"rows\.parquet: row 1: field 'text' must be a string, got null"):

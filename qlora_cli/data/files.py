@@ -227,8 +227,9 @@ def _one_line(error: Exception) -> str:
 
 
 def _json_rows(file: Path) -> Iterator[Row]:
+    """A byte-order mark, which Windows editors write, is skipped, as `datasets` skips it."""
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as error:
         raise QLoraError(f"{file}: cannot read ({_one_line(error)})") from None
     if file.suffix == ".jsonl" or not text.lstrip().startswith("["):
