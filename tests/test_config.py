@@ -296,6 +296,7 @@ def test_mapped_keys():
         ({"rl": "dpo"}, "supervised fine-tuning only"),
         ({"tokens": ["<new>"]}, "qlora cannot add tokens"),
         ({"saves_per_epoch": 2, "save_steps": 3}, "'saves_per_epoch' and 'save_steps' are both set"),
+        ({"warmup_steps": 2, "warmup_ratio": 0.1}, "'warmup_steps' and 'warmup_ratio' are both set"),
         ({"evals_per_epoch": 0}, "config key 'evals_per_epoch': expected a value >= 1"),
         ({"loss_watchdog_patience": 3}, "'loss_watchdog_patience' needs loss_watchdog_threshold"),
         ({"loss_watchdog_threshold": 0}, "'loss_watchdog_threshold': expected a value > 0"),

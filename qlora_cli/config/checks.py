@@ -331,6 +331,12 @@ def consistency_problems(config: TrainConfig) -> typing.Iterator[tuple[tuple[str
                 (per_epoch, steps),
                 f"config keys '{per_epoch}' and '{steps}' are both set: keep one of them",
             )
+    if config.warmup_steps is not None and config.warmup_ratio > 0:
+        yield (
+            ("warmup_steps", "warmup_ratio"),
+            "config keys 'warmup_steps' and 'warmup_ratio' are both set (warmup_steps would win without a "
+            "word, as Axolotl refuses): keep one of them",
+        )
     if config.loss_watchdog_patience is not None and config.loss_watchdog_threshold is None:
         yield (
             ("loss_watchdog_patience", "loss_watchdog_threshold"),
