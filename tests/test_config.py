@@ -225,6 +225,13 @@ def test_empty_values_ask_for_nothing(keys):
         ({"deepspeed": "deepspeed_configs/zero2.json"}, "each GPU holds the whole NF4 model"),
         ({"trust_remote_code": True}, "never runs code from a model repo"),
         ({"torch_compile": True}, "torch_compile: qlora's hot paths are hand-written Triton kernels"),
+        ({"local_rank": 0}, "local_rank: torchrun gives each process its rank"),
+        ({"debug": True}, "debug: `qlora data CONFIG --show N` prints tokenized rows"),
+        (
+            {"eval_table_size": 5, "eval_max_new_tokens": 128},
+            "eval_table_size, eval_max_new_tokens: evaluation",
+        ),
+        ({"save_only_model": True}, "save_only_model: checkpoints always hold the optimizer state too"),
     ],
 )
 def test_keys_qlora_already_honours_are_noted_once(keys, note):

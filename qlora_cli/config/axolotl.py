@@ -29,6 +29,9 @@ _SCALE = (
 _DDP = "qlora sets up DDP itself for data parallel"
 _LOADER = "qlora tokenizes before training and builds each batch in the training process"
 _PACKING = "qlora packs rows with its own planner"
+_EVAL_SAMPLES = (
+    "evaluation logs eval_loss and eval_ppl, no sample answers: run `qlora generate` on a checkpoint"
+)
 
 # The value changes nothing: qlora already works this way. One note names the keys that share a reason.
 ALREADY_KEYS = {
@@ -63,6 +66,11 @@ ALREADY_KEYS = {
     "torch_compile_mode": _COMPILE,
     "tf32": "qlora computes in bf16 (with bf16: false, fp32 matmuls keep torch's full precision)",
     "strict": "qlora always checks keys strictly",
+    "local_rank": "torchrun gives each process its rank (qlora train --nproc N)",
+    "debug": "`qlora data CONFIG --show N` prints tokenized rows with the trained tokens marked",
+    "eval_table_size": _EVAL_SAMPLES,
+    "eval_max_new_tokens": _EVAL_SAMPLES,
+    "save_only_model": "checkpoints always hold the optimizer state too, so a resume continues exactly",
     "model_type": _ARCHITECTURE,
     "model_config_type": _ARCHITECTURE,
     "is_llama_derived_model": _ARCHITECTURE,
