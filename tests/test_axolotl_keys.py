@@ -45,6 +45,20 @@ def test_evals_and_saves_per_epoch_and_the_first_step(tmp_path):
     assert _checkpoints(result.output_dir) == [1, 2, 4, 6, 8, 10]
 
 
+@pytest.mark.parametrize(("max_steps", "evaluated"), [(None, [10, 20]), (4, [4])])
+def test_a_validation_set_without_an_eval_schedule_is_evaluated_each_epoch(tmp_path, max_steps, evaluated):
+    """Rows held out by val_set_size are evaluated, at each epoch's end (or the run's, if sooner), with a
+    note saying so: they were held out and never evaluated."""
+    path = write_run(tmp_path, rows=24, max_steps=max_steps, num_epochs=2, val_set_size=4)
+    config = load_config(path)
+    every = 10 if max_steps is None else 4
+    assert f"evaluating every {every} steps (each epoch's end, or the run's)" in " ".join(
+        build_run(config).notes
+    )
+    result = train(config)
+    assert [r["step"] for r in _records(result.output_dir) if "eval_loss" in r] == evaluated
+
+
 def test_eval_packing_and_the_optimizer_follow_the_config(tmp_path):
     path = write_run(tmp_path, val_set_size=8, sample_packing=True)
     run = build_run(load_config(path))

@@ -16,6 +16,7 @@ import torch
 
 from qlora_cli.config.schema import TrainConfig
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.core.wording import count
 from qlora_cli.data.examples import BatchPlan, check_sequence_len, check_token_ids, prepare_data
 from qlora_cli.model.decoder import QLoRAModel
 from qlora_cli.model.from_config import compute_dtype, fp8_problem, lora_config, select_device
@@ -224,6 +225,13 @@ def _schedule(
     eval_every = _every(config.eval_steps, config.evals_per_epoch, steps_per_epoch)
     if eval_every and eval_plan is None:
         notes.append("no validation set (val_set_size is 0): nothing to evaluate")
+    if eval_every is None and eval_plan is not None:
+        # Rows held out to be evaluated are evaluated: at each epoch's end, or the run's if sooner.
+        eval_every = min(steps_per_epoch, total_steps)
+        notes.append(
+            f"a validation set and neither eval_steps nor evals_per_epoch: evaluating every "
+            f"{count(eval_every, 'step')} (each epoch's end, or the run's); set either to choose"
+        )
     return total_steps, eval_every, _every(config.save_steps, config.saves_per_epoch, steps_per_epoch)
 
 
