@@ -36,12 +36,12 @@ def apply_override(raw: dict, path: list[str], value: Any) -> None:
                 raise QLoraError(f"--set {'.'.join(path)}: no item {part} in '{'.'.join(path[:i])}'")
             node = node[int(part)]
         elif isinstance(node, dict):
-            if node.get(part) is None and path[i + 1].isdigit():
-                where = ".".join(path[: i + 1])
-                raise QLoraError(
-                    f"--set {'.'.join(path)}: '{where}' is not set, so it has no item {path[i + 1]}"
-                )
             if node.get(part) is None:
+                if path[i + 1].isdigit():
+                    where = ".".join(path[: i + 1])
+                    raise QLoraError(
+                        f"--set {'.'.join(path)}: '{where}' is not set, so it has no item {path[i + 1]}"
+                    )
                 node[part] = {}
             node = node[part]
         else:

@@ -17,8 +17,10 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 
 def byte_size(n: int) -> str:
     """A size in bytes in binary units, KiB to GiB: "512 B", "2.5 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
-    raise AssertionError
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"

@@ -86,18 +86,19 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return _named_checkpoints(output_dir, is_checkpoint)
 
 
-def stateless_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Folders named like checkpoints that hold the files only a checkpoint writes (the optimizer's, the
-    manifest) but no trainer state: damaged (a file deleted, a copy cut short), since a save writes the
-    state before the folder takes its name. An export named like a checkpoint holds none of them;
-    a removal killed midway leaves one, but removes old checkpoints, never the newest."""
+def checkpoints_and_stateless(output_dir: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint folder, and those named like one that hold the files only a checkpoint writes
+    (the optimizer's, the manifest) but no trainer state, oldest first. The latter are damaged (a file
+    deleted, a copy cut short), since a save writes the state before the folder takes its name. An
+    export named like a checkpoint holds none of them; a removal killed midway leaves one, but removes
+    old checkpoints, never the newest."""
 
-    def damaged(folder: Path) -> bool:
+    def checkpoint_or_stateless(folder: Path) -> bool:
         only_checkpoints_write = (OPTIMIZER_TENSORS, OPTIMIZER_SETTINGS, MANIFEST_FILE)
         held = any((folder / name).exists() for name in only_checkpoints_write)
-        return folder.is_dir() and not is_checkpoint(folder) and held
+        return is_checkpoint(folder) or (folder.is_dir() and held)
 
-    return _named_checkpoints(output_dir, damaged)
+    return _named_checkpoints(output_dir, checkpoint_or_stateless)
 
 
 def checkpoint_run(folder: Path) -> str | None:

@@ -27,12 +27,12 @@ from qlora_cli.model.from_config import lora_config
 from qlora_cli.rundir.checkpoint import (
     checkpoint_problem,
     checkpoint_run,
+    checkpoints_and_stateless,
     foreign_files,
     list_checkpoints,
     readable_checkpoints,
     remove_checkpoint,
     run_checkpoints,
-    stateless_checkpoints,
 )
 from qlora_cli.rundir.names import (
     ADAPTER_WEIGHTS,
@@ -79,7 +79,7 @@ def usable_checkpoint(output_dir: Path, use_instead: Callable[[Path], str]) -> P
     output_dir = Path(output_dir)
     run_id = owner_run(output_dir)
     damaged = None
-    for _, folder in reversed(sorted([*list_checkpoints(output_dir), *stateless_checkpoints(output_dir)])):
+    for _, folder in reversed(checkpoints_and_stateless(output_dir)):
         if not is_checkpoint(folder):
             damaged = damaged or f"checkpoint {folder} is incomplete: {STATE_FILE} is missing"
             continue
