@@ -416,15 +416,18 @@ _BLOCK_K = 64
 # 0.628 -> 0.584 (down) at 35B-A3B, 1.495 -> 1.274 and 0.869 -> 0.711 at 30B-A3B on the H200
 # (benchmarks.grouped_nf4, 2026-12-04); 8 warps or wider or deeper tiles lost beside it.
 # NF4 codes are picked from the 16 values (nf4.py's nf4_code_values, GATHER). Loading each code's
-# value instead made a second stage copy every such load into shared memory ahead, one value at a
+# value instead made a pipelined stage copy every such load into shared memory ahead, one value at a
 # time (13.17 against 1.11 ms at one stage, gate/up forward, 2026-12-03). With the gather the loop
 # loads no value per weight, only the rows, the bytes and the blocks' absmaxes (with double
-# quantization, their codes' values from the dynamic map), so two stages prefetch those (sm_90 SASS:
-# 24 async copies a step and 54 KB of shared memory, against 148 and 83 KB) and one tile's decode can
-# run beside the previous tile's product. Gather at two stages is not yet timed on the H200
-# (benchmarks.grouped_nf4 --variant gather=0,stages=1 is the previous setting).
+# quantization, their codes' values from the dynamic map), so the stages prefetch only those and one
+# tile's decode runs beside the previous tiles' products. Three stages against two, H100, one call
+# (benchmarks.grouped_nf4 --variant stages=3, 2026-12-05), forward and input gradient: 35B-A3B gate/up
+# 0.886 -> 0.733 and 1.012 -> 0.840 ms, down 0.524 -> 0.459 and 0.492 -> 0.414; 30B-A3B gate/up
+# 1.108 -> 0.929 and 1.224 -> 1.010, down 0.626 -> 0.544 and 0.623 -> 0.518. Four stages, 8 warps,
+# 64 rows and the per-load codes at one stage (gather=0,stages=1) each lost beside it; compute-sanitizer found no access
+# out of bounds at three.
 _PLAIN_ROWS, _PLAIN_WARPS, _PLAIN_STAGES = 64, 8, 2
-_NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 2
+_NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 3
 _NF4_GATHER_CODES = True
 
 
