@@ -49,9 +49,11 @@ if TRITON_AVAILABLE:
     ):
         """One (Dv block, batch, v-head) walks the chunks in order, its state slice [Dk, BLOCK_V]
         in fp32 registers (the delta rule is separable over v's columns):
-        delta = U - W S;  o = (carry exp(b) Q) S + Aqk delta;
-        S <- [last doc carries] exp(b_last) S + (K [last doc] exp(b_last - b))^T delta.
-        With STORE_STATES it stores the entering states (in the tables' dtype: only products read
+        delta = U - W S;  o = carry exp(b) (Q S) + Aqk delta;
+        S <- [last doc carries] exp(b_last) S + K^T ([last doc] exp(b_last - b) delta).
+        The per-token decays scale the [CHUNK, BLOCK_V] side of each product, never the [CHUNK, Dk]
+        tiles, so q and k go from memory to the tensor cores as loaded (a quarter of the multiplies
+        at Dk 128 and 32 columns, off the chain of products that carries S). With STORE_STATES it stores the entering states (in the tables' dtype: only products read
         them) and the corrections, and skips o: for backward's rerun, which does not read o."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
@@ -102,12 +104,11 @@ if TRITON_AVAILABLE:
                 tl.store(delta_ptr + v_at, delta.to(delta_ptr.dtype.element_ty), mask=v_mask)
             if STORE_OUTPUT:
                 q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
-                q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
                 aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
-                o = _mma(q, s, dot) + _mma(aqk, delta, dot)
+                o = _mma(q, s, dot) * tl.where(carry, tl.exp(b), 0.0)[:, None] + _mma(aqk, delta, dot)
                 tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_mask)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
-            k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+            delta = delta * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
             s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + _mma(tl.trans(k), delta, dot)
         if STORE_FINAL:
             tl.store(ht_ptr + (batch * v_heads + head) * state_size + state_offsets, s, mask=state_mask)
@@ -143,9 +144,10 @@ if TRITON_AVAILABLE:
         STORE_INITIAL_GRAD: tl.constexpr,
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32: only what the recurrence
-        needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta. It stores each
-        chunk's d delta and the dS leaving the chunk; the state's shares of dq, dk, dW and db, which
-        need no recurrence, follow chunk-parallel in _chunk_bwd_state_kernel."""
+        needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta (K~'s and Q~'s
+        decays scale K dS's rows and dO's, as in the forward). It stores each chunk's d delta and
+        the dS leaving the chunk; the state's shares of dq, dk, dW and db, which need no recurrence,
+        follow chunk-parallel in _chunk_bwd_state_kernel."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
@@ -194,11 +196,11 @@ if TRITON_AVAILABLE:
             do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
             aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
-            k = k * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
-            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot)
+            k_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)
+            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot) * k_scale[:, None]
             tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
             q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
-            q = q * tl.where(carry, tl.exp(b), 0.0)[:, None]
+            do = do * tl.where(carry, tl.exp(b), 0.0)[:, None]
             w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
             decay = tl.where(last_carries, tl.exp(b_last), 0.0)
             ds = ds * decay + _mma(tl.trans(q), do, dot) - _mma(tl.trans(w), ddelta, dot)
