@@ -1,6 +1,7 @@
 """`qlora data CONFIG`: statistics and highlighted examples from the tokenizer alone; every bad input one
 line and exit 2."""
 
+import gzip
 import os
 import re
 import shutil
@@ -13,7 +14,7 @@ import yaml
 from test_data import DEMO_MODEL, write_jsonl
 
 from qlora_cli.config.loading import load_config
-from qlora_cli.data.examples import BatchPlan
+from qlora_cli.data.examples import BatchPlan, prepare_data
 from qlora_cli.data.report import data_report, highlighted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,35 @@ def test_bad_data_input_is_one_line_and_exit_2(
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
     assert out == ""
+
+
+def test_a_corrupt_gz_is_one_line_and_exit_2(tmp_path, run_cli, tokenizer_only_model):
+    config = write_config(tmp_path, tokenizer_only_model)
+    packed = tmp_path / "chats.jsonl.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "chats.jsonl").read_bytes())[:-20])
+    code, out, err = run_cli("data", config, "--set", f"datasets.0.path={packed}")
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{packed}: cannot read as gzip (Compressed file ended before the end-of-stream marker" in err
+    assert out == ""
+
+
+def test_files_a_folder_does_not_read_are_named(tmp_path, run_cli, tokenizer_only_model):
+    """`qlora data` and a run's notes both say which files of a dataset folder train nothing."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    config = write_config(tmp_path, tokenizer_only_model, {"path": str(folder)})
+    (tmp_path / "chats.jsonl").rename(folder / "chats.jsonl")
+    (folder / "chats.tsv").write_text("from\tvalue\n")
+    note = f"{folder}: 1 file not read, in no format qlora reads: chats.tsv"
+    code, out, err = run_cli("data", config)
+    assert code == 0, err
+    assert note in out.splitlines()
+    report = data_report(load_config(config))
+    assert prepare_data(load_config(config), report.tokenizer).notes() == [
+        f"{folder}: 1 row with no turn of a trained role (their roles: user) dropped",
+        note,
+    ]
 
 
 def test_data_takes_the_special_tokens_training_takes(tmp_path, run_cli, tokenizer_only_model):

@@ -1,6 +1,7 @@
 """Dataset files: every format read to the same rows, files chosen by split as the hub does, split slices,
 data_files, subsets, and hub dataset repos in parquet."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from test_data import DEMO_MODEL
 
 from qlora_cli.config.schema import DatasetConfig
 from qlora_cli.core.errors import QLoraError
-from qlora_cli.data.examples import load_examples, local_dataset
-from qlora_cli.data.files import files_for_split, parse_split, read_rows, read_split
+from qlora_cli.data.examples import load_examples, local_dataset, unread_text
+from qlora_cli.data.files import files_for_split, parse_split, read_rows, read_split, unread_files
 from qlora_cli.sources.tokenizer import ChatTokenizer
 
 ROWS = [
@@ -81,14 +82,50 @@ def test_csv_cells_stay_text(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "items.json"])
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "items.json", "rows.jsonl.gz", "items.json.gz"])
 def test_a_byte_order_mark_is_skipped(tmp_path, name):
     """Windows editors start a UTF-8 file with a BOM; `datasets` reads such JSON, and so does qlora."""
     row = {"instruction": "a", "output": "b"}
-    text = json.dumps([row]) if name == "items.json" else json.dumps(row) + "\n"
+    text = json.dumps([row]) if name.startswith("items") else json.dumps(row) + "\n"
+    data = b"\xef\xbb\xbf" + text.encode()
     path = tmp_path / name
-    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     assert [found for _, found in read_rows(path)] == [row]
+
+
+def gzipped(path):
+    """path.gz holding path's bytes, as `gzip path` leaves it."""
+    packed = path.with_name(path.name + ".gz")
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    return packed
+
+
+@pytest.mark.parametrize("how", ["jsonl", "json-list", "json-lines", "csv"])
+def test_a_gzipped_file_reads_as_its_plain_file(tmp_path, how):
+    plain = write(tmp_path / FORMATS[how], ROWS, how)
+    packed = gzipped(plain)
+    assert [row for _, row in read_rows(packed)] == [row for _, row in read_rows(plain)] == ROWS
+    assert all(where.startswith(f"{packed}:") for where, _ in read_rows(packed))
+
+
+def test_a_gzipped_file_names_its_bad_line(tmp_path):
+    plain = tmp_path / "bad.jsonl"
+    plain.write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(QLoraError, match=r"bad\.jsonl\.gz:2: not valid JSON \(Expecting value: column 10\)$"):
+        list(read_rows(gzipped(plain)))
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.csv.gz"])
+def test_a_corrupt_or_cut_short_gz_is_one_line_naming_it(tmp_path, name):
+    whole = gzip.compress("".join(json.dumps(row) + "\n" for row in ROWS * 50).encode())
+    path = tmp_path / name
+    for data, reason in [
+        (whole[: len(whole) // 2], "Compressed file ended before the end-of-stream marker was reached"),
+        (b'{"text": "a"}\n', "Not a gzipped file"),
+    ]:
+        path.write_bytes(data)
+        with pytest.raises(QLoraError, match=rf"^{path}: cannot read as gzip \({reason}"):
+            list(read_rows(path))
 
 
 def test_where_names_file_and_row(tok, tmp_path):
@@ -203,6 +240,43 @@ def test_save_to_disk_folders_skip_their_metadata(tmp_path):
         (folder / name).write_text('{"_data_files": []}')
     assert words(read_split(folder, "train")) == ALL[:6]
     assert words(read_split(folder, "test")) == ALL[6:]
+
+
+def test_a_folder_reads_its_gz_files_by_split(tmp_path):
+    folder = tmp_path / "repo"
+    for name, rows, how in [
+        ("train_sft-00000-of-00002.jsonl", ROWS[:3], "jsonl"),
+        ("train_sft-00001-of-00002.csv", ROWS[3:6], "csv"),
+    ]:
+        plain = write(folder / "data" / name, rows, how)
+        gzipped(plain)
+        plain.unlink()
+    write(folder / "data" / "test_sft-00000-of-00001.json", ROWS[6:], "json-list")
+    assert words(read_split(folder, "train_sft")) == ALL[:6]
+    assert words(read_split(folder, "test_sft")) == ALL[6:]
+
+
+def test_a_folder_names_the_files_it_does_not_read(tmp_path):
+    """A file in no format qlora reads trains nothing, and a note says so; hidden files, the metadata
+    `datasets` writes and a hub repo's README.md are not rows, and go without one."""
+    folder = tmp_path / "repo"
+    write(folder / "train.jsonl", ROWS, "jsonl")
+    for name in ("notes.txt", "more/rows.tsv", "rows.parquet.gz", "README.md", ".gitattributes"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("a\tb\n")
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "download.lock").write_text("")
+    (folder / "dataset_info.json").write_text("{}")
+    assert words(read_split(folder, "train")) == ALL
+    assert unread_files(folder) == ["more/rows.tsv", "notes.txt", "rows.parquet.gz"]
+    assert unread_files(folder, data_files="train.jsonl") == []
+    assert unread_files(folder / "train.jsonl") == []
+    assert unread_text(["a.txt"]) == "1 file not read, in no format qlora reads: a.txt"
+    many = [f"{n}.png" for n in range(8)]
+    assert (
+        unread_text(many)
+        == "8 files not read, in no format qlora reads: 0.png, 1.png, 2.png, 3.png, 4.png and 3 more"
+    )
 
 
 def test_a_folder_without_split_names_is_train(tmp_path):

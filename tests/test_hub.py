@@ -37,6 +37,8 @@ SMALL_MODEL = {"config.json": b"{}", "model.safetensors": b"weights"}
 DATASET_FILES = {
     "data/train.jsonl": b'{"text": "hello"}\n',
     "data/extra.parquet": b"PAR1",
+    "data/more.jsonl.gz": b"gzip",
+    "data/raw.tsv": b"a\tb",
     "README.md": b"# chats",
     "loader.py": b"print('never run')",
 }
@@ -197,8 +199,9 @@ def test_repo_with_only_pickled_weights_is_refused_before_any_download(hub):
 def test_dataset_repo_downloads_only_data_files(hub):
     folder = resolve_dataset("org/chats")
 
-    assert files_in(folder) == {"data/train.jsonl", "data/extra.parquet"}
-    assert hub.fetched_files("org/chats") == {"data/train.jsonl", "data/extra.parquet"}
+    read = {"data/train.jsonl", "data/extra.parquet", "data/more.jsonl.gz"}
+    assert files_in(folder) == read
+    assert hub.fetched_files("org/chats") == read
     assert all(r.path.startswith(("/api/datasets/", "/datasets/")) for r in hub.requests)
 
 

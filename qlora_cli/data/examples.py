@@ -29,7 +29,7 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.text import text_problem
 from qlora_cli.core.wording import count, number
 from qlora_cli.data import prompts
-from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list
+from qlora_cli.data.files import files_for_split, fingerprint, read_split, split_file_list, unread_files
 from qlora_cli.sources.hub import resolve_dataset, snapshot_commit
 from qlora_cli.sources.run_tokenizer import check_token_id, dataset_template
 from qlora_cli.sources.spec import ModelSpec
@@ -56,7 +56,8 @@ class ExampleList(list):
     """The examples of a dataset (a plain list of Example) plus what loading did to them.
 
     rows: rows read from the files; truncated: examples cut to sequence_len; dropped: why rows left no
-    example (reason -> count); roles_seen: the template roles of dropped chats, for the error message.
+    example (reason -> count); roles_seen: the template roles of dropped chats, for the error message;
+    unread: the files of the dataset's folder in no format qlora reads.
     """
 
     def __init__(self, examples: Iterable[Example] = (), *, rows: int = 0, truncated: int = 0):
@@ -65,6 +66,7 @@ class ExampleList(list):
         self.truncated = truncated
         self.dropped: Counter[str] = Counter()
         self.roles_seen: Counter[str] = Counter()
+        self.unread: list[str] = []
 
 
 def _to_example(ids: list[int], trained: list[bool], sequence_len: int) -> tuple[Example, bool]:
@@ -130,6 +132,7 @@ def load_examples(
         _refuse_untokenizable(rows, rendered)
         raise
     result = ExampleList(rows=len(rendered))
+    result.unread = unread_files(path, data_files=dataset.data_files, subset=dataset.name)
     for row in rendered:
         ids: list[int] = []
         trained: list[bool] = []
@@ -204,6 +207,8 @@ class PreparedData:
                 lines.append(f"{name}: {count(examples.truncated, 'example')} truncated to sequence_len")
             if examples.dropped:
                 lines.append(f"{name}: {dropped_text(examples)} dropped")
+            if examples.unread:
+                lines.append(f"{name}: {unread_text(examples.unread)}")
         if self.duplicates:
             lines.append(
                 f"{count(self.duplicates, 'duplicate example')} removed (dataset_exact_deduplication)"
@@ -221,6 +226,14 @@ def dropped_text(examples: ExampleList, roles_to_train: Iterable[str] = ()) -> s
             text += f" ({wanted}their roles: {', '.join(sorted(examples.roles_seen))})"
         parts.append(text)
     return ", ".join(parts)
+
+
+def unread_text(files: list[str], shown: int = 5) -> str:
+    """Which files of a folder no format reads, in one line however many there are (a folder of images)."""
+    names = ", ".join(files[:shown]) + (
+        f" and {number(len(files) - shown)} more" if len(files) > shown else ""
+    )
+    return f"{count(len(files), 'file')} not read, in no format qlora reads: {names}"
 
 
 # `path: json` (or parquet, csv, arrow) with data_files: the `datasets` idiom for local files.

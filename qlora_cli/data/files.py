@@ -1,15 +1,18 @@
 """Dataset files to rows: which files a dataset entry names, in which format, and which rows a split keeps.
 
 Formats: JSON Lines (`.jsonl`, or lines inside a `.json`), a JSON list (`.json`), Parquet, Arrow (IPC file
-or stream, as `datasets` saves it) and CSV; the columnar ones through pyarrow. A folder (a hub dataset
-repo's snapshot, or `save_to_disk` output) is split into train/validation/test files by name the way the
-hub does it, and `split: train[10:20%]` slices the chosen split's rows.
+or stream, as `datasets` saves it) and CSV; the columnar ones through pyarrow. The text ones may be
+gzip-compressed (`rows.jsonl.gz`). A folder (a hub dataset repo's snapshot, or `save_to_disk` output) is
+split into train/validation/test files by name the way the hub does it, and `split: train[10:20%]` slices
+the chosen split's rows; its files of no format read here are named in a note, never passed over unsaid.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -20,9 +23,14 @@ from qlora_cli.core.jsonl import Row, json_error, json_lines, json_type
 from qlora_cli.core.wording import count
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-DATA_SUFFIXES = tuple(FORMATS)
+# The text formats may come gzip-compressed (`rows.jsonl.gz`), as `datasets` reads them; Parquet and
+# Arrow compress their own columns, so a `.parquet.gz` is no format qlora reads.
+GZIP = ".gz"
+DATA_SUFFIXES = (*FORMATS, *(suffix + GZIP for suffix, name in FORMATS.items() if name in ("json", "csv")))
 # Files `datasets` writes next to its data; they describe the data and are not rows.
 METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}
+# A hub repo's dataset card: a folder's file that is not rows and goes without a note, as the metadata does.
+DATASET_CARD = "README.md"
 # The hub's split names found in file or folder names (datasets.data_files.SPLIT_KEYWORDS).
 SPLIT_KEYWORDS = {
     "train": ("train", "training"),
@@ -98,15 +106,45 @@ def parse_split(text: str) -> list[SplitPart]:
 # ----- which files -----
 
 
-def _data_files_in(folder: Path) -> list[Path]:
+def _suffix(name: str) -> str:
+    """The suffix that names a file's format: `.jsonl`, or `.jsonl.gz` for one compressed with gzip."""
+    path = PurePosixPath(name)
+    return "".join(path.suffixes[-2:]) if path.suffix == GZIP else path.suffix
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Every file under folder but the hidden ones (`.git/`, `.gitattributes`), which `datasets` passes
+    over too."""
     return sorted(
         p
         for p in folder.rglob("*")
-        if p.suffix in DATA_SUFFIXES
-        and p.is_file()
-        and p.name not in METADATA_FILES
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
+
+
+def _data_files_in(folder: Path) -> list[Path]:
+    return [
+        p for p in _folder_files(folder) if _suffix(p.name) in DATA_SUFFIXES and p.name not in METADATA_FILES
+    ]
+
+
+def unread_files(
+    path: Path,
+    *,
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+    subset: str | None = None,
+) -> list[str]:
+    """The files of a dataset folder in no format qlora reads (`notes.txt`, `rows.tsv`), relative to it,
+    for a note: a file left out of training is never left out unsaid. Empty where data_files names the
+    files, since one it names in no format is an error."""
+    if data_files is not None or not path.is_dir():
+        return []
+    folder = path if subset is None else path / subset
+    return [
+        p.relative_to(path).as_posix()
+        for p in _folder_files(folder)
+        if _suffix(p.name) not in DATA_SUFFIXES and p.name != DATASET_CARD
+    ]
 
 
 def _split_of(relative: str) -> str | None:
@@ -125,7 +163,7 @@ def group_by_split(names: list[str]) -> dict[str, list[str]]:
     """Relative file names grouped by split; names that name no split are all `train`, as on the hub."""
     splits: dict[str, list[str]] = {}
     for name in names:
-        splits.setdefault(_split_of(str(PurePosixPath(name).with_suffix(""))) or "", []).append(name)
+        splits.setdefault(_split_of(name.removesuffix(_suffix(name))) or "", []).append(name)
     unnamed = splits.pop("", [])
     if not splits:
         return {"train": unnamed}
@@ -226,13 +264,28 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _json_rows(file: Path) -> Iterator[Row]:
-    """A byte-order mark, which Windows editors write, is skipped, as `datasets` skips it."""
+def _gzip_error(file: Path, error: Exception) -> QLoraError:
+    """A corrupt or cut-short .gz, named in one line as a bad row is."""
+    return QLoraError(f"{file}: cannot read as gzip ({_one_line(error)})")
+
+
+def _text(file: Path) -> str:
+    """A file's text, decompressed when it ends in .gz. A byte-order mark, which Windows editors write,
+    is skipped, as `datasets` skips it."""
     try:
-        text = file.read_text(encoding="utf-8-sig")
+        if file.suffix != GZIP:
+            return file.read_text(encoding="utf-8-sig")
+        with gzip.open(file, "rt", encoding="utf-8-sig") as stream:
+            return stream.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+        raise _gzip_error(file, error) from None
     except (OSError, UnicodeDecodeError) as error:
         raise QLoraError(f"{file}: cannot read ({_one_line(error)})") from None
-    if file.suffix == ".jsonl" or not text.lstrip().startswith("["):
+
+
+def _json_rows(file: Path) -> Iterator[Row]:
+    text = _text(file)
+    if _suffix(file.name).removesuffix(GZIP) == ".jsonl" or not text.lstrip().startswith("["):
         # A .json file that is not a list is read as JSON Lines, as `datasets` does.
         yield from json_lines(file, text)
         return
@@ -258,12 +311,13 @@ def _table(file: Path, file_format: str):
         if file_format == "parquet":
             return pyarrow.parquet.read_table(file)
         if file_format == "csv":
-            with pyarrow.csv.open_csv(file) as reader:
+            source = _gunzipped(file) if file.suffix == GZIP else file
+            with pyarrow.csv.open_csv(source) as reader:
                 names = reader.schema.names
             convert = pyarrow.csv.ConvertOptions(
                 column_types={name: pa.string() for name in names}, strings_can_be_null=False
             )
-            return pyarrow.csv.read_csv(file, convert_options=convert)
+            return pyarrow.csv.read_csv(source, convert_options=convert)
         with pa.memory_map(str(file)) as source:
             try:
                 return pyarrow.ipc.open_file(source).read_all()
@@ -274,12 +328,26 @@ def _table(file: Path, file_format: str):
         raise QLoraError(f"{file}: cannot read as {file_format} ({_one_line(error)})") from None
 
 
+def _gunzipped(file: Path):
+    """A .gz file's bytes decompressed by Python's gzip, as the JSON formats are, not by pyarrow, which
+    says a bad one differently."""
+    import pyarrow as pa
+
+    try:
+        with gzip.open(file) as stream:
+            return pa.py_buffer(stream.read())
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+        raise _gzip_error(file, error) from None
+
+
 def read_rows(file: Path, file_format: str | None = None) -> Iterator[Row]:
     """Yield (where, row): `where` names the file and line, item or row for error messages."""
-    file_format = file_format or FORMATS.get(file.suffix)
+    suffix = _suffix(file.name)
+    if file_format is None and suffix in DATA_SUFFIXES:
+        file_format = FORMATS[suffix.removesuffix(GZIP)]
     if file_format is None:
         raise QLoraError(
-            f"{file}: unsupported dataset file type {file.suffix!r} "
+            f"{file}: unsupported dataset file type {suffix!r} "
             f"(expected {', '.join(DATA_SUFFIXES)}, or set ds_type)"
         )
     if file_format == "json":

@@ -27,6 +27,7 @@ from qlora_cli.data.examples import (
     check_token_ids,
     dropped_text,
     prepare_data,
+    unread_text,
 )
 from qlora_cli.sources.hf_files import MODEL_CONFIG
 from qlora_cli.sources.hub import resolve_tokenizer
@@ -47,6 +48,7 @@ class DatasetStats:
     truncated: int
     dropped: int
     dropped_why: str
+    unread: list[str]
 
 
 @dataclass
@@ -79,6 +81,7 @@ def _stats(path: str, examples: ExampleList) -> DatasetStats:
         truncated=examples.truncated,
         dropped=examples.dropped.total(),
         dropped_why=dropped_text(examples),
+        unread=examples.unread,
     )
 
 
@@ -165,6 +168,8 @@ def print_data_report(report: DataReport, console: Console, show: int = 0) -> No
     for stats in report.datasets:
         if stats.dropped:
             console.print(f"{stats.path}: dropped {stats.dropped_why}", highlight=False, markup=False)
+        if stats.unread:
+            console.print(f"{stats.path}: {unread_text(stats.unread)}", highlight=False, markup=False)
     tokens = sum(len(e.input_ids) for e in report.train)
     trained = sum(_trained(e) for e in report.train)
     longest = max(len(e.input_ids) for e in report.train)

@@ -44,7 +44,9 @@ MODEL_FILE_PATTERNS = (
     SAFETENSORS_INDEX,
     *TOKENIZER_FILES,
 )
-_DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
+# What qlora_cli/data/files.py reads (its DATA_SUFFIXES; sources do not import data), all of it: else a
+# snapshot another tool had downloaded whole would train on files that a fresh download leaves out.
+_DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".jsonl.gz", ".json.gz", ".csv.gz")
 DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -187,7 +189,8 @@ def resolve_dataset(
         repo_type="dataset",
         patterns=DATASET_FILE_PATTERNS,
         required_suffixes=_DATASET_SUFFIXES,
-        missing_files_message="has no .jsonl, .json, .parquet, .arrow or .csv files; qlora reads only those formats",
+        missing_files_message="has no .jsonl, .json, .parquet, .arrow or .csv files (nor .jsonl.gz, .json.gz, .csv.gz); "
+        "qlora reads only those formats",
         choose=choose,
     )
     return _download(repo, token=token, cache_dir=cache_dir)
