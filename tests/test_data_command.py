@@ -152,6 +152,16 @@ def test_files_a_folder_does_not_read_are_named(tmp_path, run_cli, tokenizer_onl
     ]
 
 
+def test_data_prints_the_configs_notes_as_a_run_does(tmp_path, run_cli, tokenizer_only_model):
+    """An Axolotl key qlora leaves to another command is noted by `qlora data` too, not only by train."""
+    config = write_config(tmp_path, tokenizer_only_model, debug=True)
+    notes = load_config(config).notes
+    assert len(notes) == 1 and "debug" in notes[0]
+    code, out, err = run_cli("data", config)
+    assert code == 0, err
+    assert f"note: {notes[0]}" in " ".join(out.split())
+
+
 def test_data_takes_the_special_tokens_training_takes(tmp_path, run_cli, tokenizer_only_model):
     """The preview renders and pads with the config's special_tokens, and refuses the ones training refuses."""
     config = write_config(tmp_path, tokenizer_only_model, special_tokens={"pad_token": "<|im_start|>"})

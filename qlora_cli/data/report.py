@@ -65,6 +65,8 @@ class DataReport:
     steps_per_epoch: int
     fill: float
     tokenizer: ChatTokenizer
+    # The config's own notes (Axolotl keys it translated or leaves to another command), as a run prints them.
+    config_notes: list[str]
 
 
 def _trained(example: Example) -> int:
@@ -126,6 +128,7 @@ def data_report(config: TrainConfig) -> DataReport:
         steps_per_epoch=plan.steps_per_epoch(config.gradient_accumulation_steps),
         fill=_fill(plan),
         tokenizer=tokenizer,
+        config_notes=list(config.notes),
     )
 
 
@@ -151,6 +154,8 @@ def highlighted(example: Example, tokenizer: ChatTokenizer, *, color: bool = Tru
 
 def print_data_report(report: DataReport, console: Console, show: int = 0) -> None:
     color = console.color_system is not None
+    for note in report.config_notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     table = Table(title="datasets", title_justify="left")
     for column in ("dataset", "rows", "examples", "tokens", "trained tokens", "truncated", "dropped"):
         table.add_column(column, justify="left" if column == "dataset" else "right", overflow="fold")
