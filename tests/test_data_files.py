@@ -266,7 +266,8 @@ def test_a_folder_names_the_files_it_does_not_read(tmp_path):
         (folder / name).write_text("a\tb\n")
     (folder / ".cache").mkdir()
     (folder / ".cache" / "download.lock").write_text("")
-    (folder / "dataset_info.json").write_text("{}")
+    for name in ("dataset_info.json", "dataset_infos.json", "config.json"):
+        (folder / name).write_text('{"default": {"description": "not a row"}}')
     assert words(read_split(folder, "train")) == ALL
     assert unread_files(folder) == ["more/rows.tsv", "notes.txt", "rows.parquet.gz"]
     assert unread_files(folder, data_files="train.jsonl") == []

@@ -27,8 +27,9 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "
 # Arrow compress their own columns, so a `.parquet.gz` is no format qlora reads.
 GZIP = ".gz"
 DATA_SUFFIXES = (*FORMATS, *(suffix + GZIP for suffix, name in FORMATS.items() if name in ("json", "csv")))
-# Files `datasets` writes next to its data; they describe the data and are not rows.
-METADATA_FILES = {"dataset_info.json", "state.json", "dataset_dict.json"}
+# Files `datasets` writes next to its data or passes over in a hub repo (its FILES_TO_IGNORE: the older
+# repos' dataset_infos.json, a config.json); they describe the data and are not rows.
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json", "config.json"}
 # A hub repo's dataset card: a folder's file that is not rows and goes without a note, as the metadata does.
 DATASET_CARD = "README.md"
 # The hub's split names found in file or folder names (datasets.data_files.SPLIT_KEYWORDS).
