@@ -84,15 +84,20 @@ if TRITON_AVAILABLE:
         N_VOCAB: tl.constexpr,
         BLOCK_V: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
+        SKIP_IGNORED: tl.constexpr,
     ):
         """One program per row: online logsumexp over the vocabulary, then softmax - onehot in place.
 
         The vocabulary size is a compile-time constant: it is fixed per model, and Triton's interpreter
-        cannot loop to a runtime bound under numpy 2.4.
+        cannot loop to a runtime bound under numpy 2.4. With SKIP_IGNORED an ignored row's logits are
+        neither read nor written (they were never computed: see _trained_rows_first); its loss is 0.
         """
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * stride_row
         label = tl.load(labels_ptr + row)
+        if SKIP_IGNORED & (label == ignore_index):
+            tl.store(row_loss_ptr + row, 0.0)
+            return
         offsets = tl.arange(0, BLOCK_V)
 
         running_max = float("-inf")
@@ -170,9 +175,15 @@ def default_chunk_size(n_rows: int, n_vocab: int, element_size: int) -> int:
 
 
 def _cross_entropy_rows(
-    logits: torch.Tensor, labels: torch.Tensor, row_loss: torch.Tensor, ignore_index: int, write_grad: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    row_loss: torch.Tensor,
+    ignore_index: int,
+    write_grad: bool,
+    skip_ignored: bool = False,
 ) -> None:
-    """Per-row losses into row_loss; with write_grad, logits become softmax - onehot (0 if ignored)."""
+    """Per-row losses into row_loss; with write_grad, logits become softmax - onehot (0 if ignored, or
+    left as they are with skip_ignored)."""
     n_rows, n_vocab = logits.shape
     if n_rows == 0:
         return
@@ -188,6 +199,7 @@ def _cross_entropy_rows(
         N_VOCAB=n_vocab,
         BLOCK_V=block_v,
         WRITE_GRAD=write_grad,
+        SKIP_IGNORED=skip_ignored,
         num_warps=8,
     )
 
@@ -199,9 +211,13 @@ def linear_cross_entropy_forward(
     chunk_size: int | None,
     ignore_index: int,
     needs_grad: bool,
+    trained_rows_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row losses in fp32 and, if needs_grad, each row's d loss / d hidden, one chunk of rows at a
-    time (a row's gradient depends on its own loss only)."""
+    time (a row's gradient depends on its own loss only). trained_rows_only: the GEMMs skip the rows
+    whose label is ignored (_trained_rows_first), where torch has a grouped GEMM to do it with."""
+    if trained_rows_only and hasattr(torch, "_grouped_mm"):
+        return _trained_rows_first(hidden, weight, labels, chunk_size, ignore_index, needs_grad)
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"hidden and weight must share a float dtype; got {hidden.dtype}, {weight.dtype}")
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
@@ -224,13 +240,59 @@ def linear_cross_entropy_forward(
     return row_loss, grad_hidden
 
 
+def _trained_rows_first(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None,
+    ignore_index: int,
+    needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """linear_cross_entropy_forward on the trained rows alone: a prompt masked out of the loss (most of
+    an SFT row) costs the lm_head's two GEMMs nothing. The rows are put trained-first on the GPU, and
+    each chunk's GEMMs are grouped GEMMs of one group whose row count, the chunk's trained rows, is a
+    device tensor: no host read, so a CUDA graph replays it for any mix of rows. The rows past that
+    count get no logits and no gradient from the GEMMs; their gradient is set to 0."""
+    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(n_rows, n_vocab, hidden.element_size())
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    ignored = labels == ignore_index
+    order = torch.argsort(ignored.to(torch.int8), stable=True)
+    trained = (~ignored).sum(dtype=torch.int32).view(1)
+    rows, row_labels = hidden.index_select(0, order), labels.index_select(0, order).contiguous()
+    sorted_loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    sorted_grad = torch.empty_like(rows) if needs_grad else None
+    for start in range(0, n_rows, chunk_size):
+        end = min(start + chunk_size, n_rows)
+        counted = (trained - start).clamp(0, end - start)
+        logits = torch._grouped_mm(rows[start:end], weight.T[None], offs=counted)
+        _cross_entropy_rows(
+            logits, row_labels[start:end], sorted_loss[start:end], ignore_index, needs_grad, True
+        )
+        if needs_grad:
+            sorted_grad[start:end] = torch._grouped_mm(logits, weight[None], offs=counted)
+    row_loss = torch.empty_like(sorted_loss).index_copy_(0, order, sorted_loss)
+    if not needs_grad:
+        return row_loss, None
+    sorted_grad.masked_fill_(torch.arange(n_rows, device=hidden.device)[:, None] >= trained, 0)
+    return row_loss, torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """The gradient is computed in forward; backward scales it by d loss / d loss_sum."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, trained_rows_only):
         row_loss, grad_hidden = linear_cross_entropy_forward(
-            hidden, weight, labels, chunk_size, ignore_index, needs_grad=ctx.needs_input_grad[0]
+            hidden,
+            weight,
+            labels,
+            chunk_size,
+            ignore_index,
+            needs_grad=ctx.needs_input_grad[0],
+            trained_rows_only=trained_rows_only,
         )
         ctx.save_for_backward(grad_hidden)
         return row_loss.sum()
@@ -239,7 +301,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss_sum):
         (grad_hidden,) = ctx.saved_tensors
         grad_hidden = (grad_hidden.float() * grad_loss_sum).to(grad_hidden.dtype)
-        return grad_hidden, None, None, None, None
+        return grad_hidden, None, None, None, None, None
 
 
 class LinearTokenLogprobsFunction(torch.autograd.Function):
@@ -268,16 +330,21 @@ def linear_cross_entropy(
     *,
     chunk_size: int | None = None,
     ignore_index: int = -100,
+    trained_rows_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, n_tokens) of logits = hidden @ weight.T against labels; gradient reaches hidden only.
 
     loss_sum is summed, not averaged, so the caller can divide by the trained-token count of the
     whole accumulated batch. chunk_size is the number of rows whose logits exist at once (Triton path).
+    trained_rows_only: the lm_head's GEMMs skip the ignored rows (for batches where many are), at the
+    cost of sorting the rows first; the result is the same.
     """
     _check_inputs(hidden, weight, labels, ignore_index)
     if not use_triton(hidden):
         return linear_cross_entropy_reference(hidden, weight, labels, ignore_index=ignore_index)
-    loss_sum = LinearCrossEntropyFunction.apply(hidden, weight, labels, chunk_size, ignore_index)
+    loss_sum = LinearCrossEntropyFunction.apply(
+        hidden, weight, labels, chunk_size, ignore_index, trained_rows_only
+    )
     return loss_sum, (labels != ignore_index).sum()
 
 

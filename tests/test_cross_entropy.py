@@ -6,6 +6,7 @@ import torch
 from qlora_kernels.cross_entropy import (
     default_chunk_size,
     linear_cross_entropy,
+    linear_cross_entropy_forward,
     linear_cross_entropy_reference,
     linear_document_logprobs,
     linear_document_logprobs_reference,
@@ -32,9 +33,11 @@ def reference_loss_and_grad(hidden, weight, labels):
     return loss_sum.detach(), n_tokens, grad
 
 
-def fused_loss_and_grad(hidden, weight, labels, chunk_size):
+def fused_loss_and_grad(hidden, weight, labels, chunk_size, trained_rows_only=False):
     hidden = hidden.detach().requires_grad_()
-    loss_sum, n_tokens = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    loss_sum, n_tokens = linear_cross_entropy(
+        hidden, weight, labels, chunk_size=chunk_size, trained_rows_only=trained_rows_only
+    )
     (grad,) = torch.autograd.grad(loss_sum * UPSTREAM_GRAD, hidden)
     return loss_sum.detach(), n_tokens, grad
 
@@ -43,10 +46,13 @@ def fused_loss_and_grad(hidden, weight, labels, chunk_size):
     ("n_vocab", "chunk_size", "ignored_every"),
     [(300, 5, 3), (300, 16, 4), (300, 37, None), (300, None, 2), (300, 100, 1), (5000, 16, 3)],
 )
-def test_matches_reference(n_vocab, chunk_size, ignored_every):
+@pytest.mark.parametrize("trained_rows_only", [False, True], ids=["all-rows", "trained-rows-only"])
+def test_matches_reference(n_vocab, chunk_size, ignored_every, trained_rows_only):
+    """Trained rows only: the rows put trained-first leave whole chunks past the trained ones (chunk 5,
+    every 3rd row ignored) and chunks cut inside them; the GEMMs leave those rows unwritten."""
     hidden, weight, labels = make_inputs(37, 48, n_vocab, ignored_every)
     ref_loss, ref_count, ref_grad = reference_loss_and_grad(hidden, weight, labels)
-    loss, count, grad = fused_loss_and_grad(hidden, weight, labels, chunk_size)
+    loss, count, grad = fused_loss_and_grad(hidden, weight, labels, chunk_size, trained_rows_only)
 
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert count.dtype == torch.int64 and count.dim() == 0
@@ -56,9 +62,12 @@ def test_matches_reference(n_vocab, chunk_size, ignored_every):
     assert torch.count_nonzero(grad[labels == -100]) == 0
 
 
-def test_all_ignored_gives_zero_loss_count_and_grad():
+@pytest.mark.parametrize("trained_rows_only", [False, True], ids=["all-rows", "trained-rows-only"])
+def test_all_ignored_gives_zero_loss_count_and_grad(trained_rows_only):
     hidden, weight, labels = make_inputs(37, 48, 300, ignored_every=1)
-    loss, count, grad = fused_loss_and_grad(hidden, weight, labels, chunk_size=16)
+    loss, count, grad = fused_loss_and_grad(
+        hidden, weight, labels, chunk_size=16, trained_rows_only=trained_rows_only
+    )
     assert loss.item() == 0.0 and count.item() == 0
     assert torch.count_nonzero(grad) == 0
 
@@ -123,10 +132,11 @@ def qwen_lm_head_inputs():
 
 
 @pytest.mark.gpu
-def test_gpu_qwen_shape_matches_fp32_reference():
+@pytest.mark.parametrize("trained_rows_only", [False, True], ids=["all-rows", "trained-rows-only"])
+def test_gpu_qwen_shape_matches_fp32_reference(trained_rows_only):
     hidden, weight, labels = qwen_lm_head_inputs()
     ref_loss, ref_grad = chunked_reference(hidden, weight, labels)
-    loss, count, grad = fused_loss_and_grad(hidden, weight, labels, chunk_size=None)
+    loss, count, grad = fused_loss_and_grad(hidden, weight, labels, None, trained_rows_only)
 
     assert count.item() == int((labels != -100).sum())
     # bf16 logits (fp32-accumulated GEMM) shift each token's loss a little, without bias: the sum
@@ -138,6 +148,37 @@ def test_gpu_qwen_shape_matches_fp32_reference():
     assert (grad - ref_grad).norm() <= 5e-3 * ref_grad.norm()
     assert (grad - ref_grad).abs().max() <= 1e-2 * ref_grad.abs().max()
     assert torch.count_nonzero(grad[labels == -100]) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_trained_rows_only_replays_in_a_cuda_graph_for_any_mask():
+    """The trained rows' count is a device value, so one captured graph serves micro-batches whose masks
+    differ: none, a masked prompt of 3,000 tokens, all but the last 192 (a whole chunk with no trained
+    row). Each replay matches the fp32 reference within the bounds of the test above (one bf16 GEMM
+    pair either way), and the ignored rows' gradient is exactly 0."""
+    hidden, weight, labels = qwen_lm_head_inputs()
+    masked = labels.clone()
+
+    def forward():
+        return linear_cross_entropy_forward(hidden, weight, masked, None, -100, True, trained_rows_only=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        row_loss, grad = forward()
+    for prompt in (0, 3000, hidden.shape[0] - 192):
+        masked.copy_(labels)
+        masked[:prompt] = -100
+        graph.replay()
+        ref_loss, ref_grad = chunked_reference(hidden, weight, masked)
+        torch.testing.assert_close(row_loss.sum(), ref_loss, rtol=2e-5, atol=0.0)
+        ours = grad.float() * UPSTREAM_GRAD
+        assert (ours - ref_grad).norm() <= 5e-3 * ref_grad.norm()
+        assert torch.count_nonzero(grad[masked == -100]) == 0
 
 
 @pytest.mark.gpu

@@ -156,6 +156,28 @@ def test_recomputed_layers_give_the_same_loss_and_gradients(checkpoint, ops, mon
         )
 
 
+def test_the_lm_head_on_trained_rows_only_gives_the_same_loss_and_gradients(checkpoint):
+    """Skipping the tokens no loss reads in the lm_head's GEMMs changes their cost, never the numbers:
+    a masked prompt and a masked tail around trained tokens, on the Triton path."""
+    kind, folder = checkpoint
+    ids = _tokens(160)
+    labels = ids.roll(-1, dims=1)
+    labels[0, :7] = labels[1, 12:] = -100
+    results = []
+    for trained_rows_only in (False, True):
+        model = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4)).train()
+        for b in (b for layer in model.layers for g in layer.projections.values() for b in g.lora_B.values()):
+            torch.nn.init.normal_(b, std=0.02, generator=torch.Generator().manual_seed(b.numel()))
+        model.lm_head_trained_rows_only = trained_rows_only
+        loss_sum, count = model.loss(ids, labels)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), count, [p.grad for p in model.trainable_parameters()]))
+    (loss, count, grads), (loss0, count0, grads0) = results[1], results[0]
+    assert int(count) == int(count0) == int((labels != -100).sum())
+    assert torch.allclose(loss, loss0, rtol=1e-6)
+    assert all(torch.allclose(g, g0, rtol=1e-5, atol=1e-7) for g, g0 in zip(grads, grads0, strict=True))
+
+
 def test_only_the_recompute_skips_down_projs_output(checkpoint, reference_ops, monkeypatch):
     """The rerun in backward asks down_proj for no output, once per recomputed layer; the first
     forward, the other layers and a second model are untouched by it."""

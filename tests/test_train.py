@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from qlora_cli.config.loading import config_from_dict, load_config
 from qlora_cli.core.errors import QLoraError, TrainingStopped
+from qlora_cli.data.examples import Example
 from qlora_cli.model import QLoRAModel, lora_config
 from qlora_cli.model.planner import RunShape, estimated_peak_bytes
 from qlora_cli.rundir.checkpoint import read_checkpoint_config
@@ -35,7 +36,7 @@ from qlora_cli.rundir.folder import latest_checkpoint
 from qlora_cli.rundir.trainer_state import read_trainer_state
 from qlora_cli.sources.model_config import read_spec
 from qlora_cli.train.loop import resume, train
-from qlora_cli.train.run import build_run
+from qlora_cli.train.run import UNTRAINED_SHARE_TO_SKIP, build_run, untrained_share
 from qlora_cli.train.schedule import learning_rate
 from qlora_cli.train.step import evaluate, optimizer_step, train_step
 
@@ -225,6 +226,15 @@ def test_num_epochs_shows_every_row_that_many_times(tmp_path, rows, epochs, micr
     assert records[-1]["epoch"] == epochs
     state = json.loads((result.checkpoint / "trainer_state.json").read_text())
     assert (state["epoch"], state["batch_index"]) == (epochs, 0)
+
+
+def test_the_lm_head_skips_untrained_tokens_where_the_data_masks_many(tmp_path):
+    """Chats whose user turns train nothing (most of the demo rows' tokens) have the lm_head skip those
+    tokens; rows that train nearly every token keep the plain GEMMs."""
+    run = build_run(load_config(write_run(tmp_path / "run")))
+    assert untrained_share(run.train_plan.examples) > 0.5 and run.model.lm_head_trained_rows_only
+    nearly_all = [Example(input_ids=[1] * 20, labels=[2] * 19 + [-100]) for _ in range(3)]
+    assert untrained_share(nearly_all) == 0.05 < UNTRAINED_SHARE_TO_SKIP
 
 
 def test_a_short_last_step_is_normalised_over_what_it_holds(tmp_path):

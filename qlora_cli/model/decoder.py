@@ -79,6 +79,9 @@ class QLoRAModel(nn.Module):
         # The last training forward's load-balancing loss, unscaled (`loss`): a device value written in
         # place, which a CUDA graph's replays write too, for the step to log.
         self.register_buffer("router_aux_loss", torch.zeros(()), persistent=False)
+        # Whether the lm_head's GEMMs skip the tokens no loss reads (kernels/cross_entropy.py's
+        # trained_rows_only); training sets it where its data masks many (qlora_cli/train/run.py).
+        self.lm_head_trained_rows_only = False
 
     @property
     def balances_experts(self) -> bool:
@@ -344,6 +347,7 @@ class QLoRAModel(nn.Module):
             h.reshape(-1, h.shape[-1]),
             self.lm_head,
             labels.reshape(-1),
+            trained_rows_only=self.lm_head_trained_rows_only,
         )
         if balance_tokens is None:
             return loss_sum, count
