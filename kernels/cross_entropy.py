@@ -215,8 +215,8 @@ def linear_cross_entropy_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row losses in fp32 and, if needs_grad, each row's d loss / d hidden, one chunk of rows at a
     time (a row's gradient depends on its own loss only). trained_rows_only: the GEMMs skip the rows
-    whose label is ignored (_trained_rows_first), where torch has a grouped GEMM to do it with."""
-    if trained_rows_only and hasattr(torch, "_grouped_mm"):
+    whose label is ignored (_trained_rows_first), where torch's grouped GEMM takes these tensors."""
+    if trained_rows_only and _grouped_gemm_takes(hidden, weight):
         return _trained_rows_first(hidden, weight, labels, chunk_size, ignore_index, needs_grad)
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"hidden and weight must share a float dtype; got {hidden.dtype}, {weight.dtype}")
@@ -238,6 +238,16 @@ def linear_cross_entropy_forward(
         if needs_grad:
             torch.mm(logits, weight, out=grad_hidden[start:end])
     return row_loss, grad_hidden
+
+
+def _grouped_gemm_takes(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped GEMM is there (torch 2.8 on) and takes these: on the GPU bf16 only, and rows of
+    16 bytes (a vocabulary and hidden size that are multiples of 8)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if hidden.device.type == "cpu":
+        return True
+    return hidden.dtype == torch.bfloat16 and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
 def _trained_rows_first(
