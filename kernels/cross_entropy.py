@@ -241,7 +241,7 @@ def linear_cross_entropy_forward(
 
 
 def _grouped_gemm_takes(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch's grouped GEMM is there (torch 2.8 on) and takes these: on the GPU bf16 only, and rows of
+    """torch's grouped GEMM is there (recent torch) and takes these: on the GPU bf16 only, and rows of
     16 bytes (a vocabulary and hidden size that are multiples of 8)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
