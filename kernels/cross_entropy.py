@@ -262,7 +262,8 @@ def _trained_rows_first(
     an SFT row) costs the lm_head's two GEMMs nothing. The rows are put trained-first on the GPU, and
     each chunk's GEMMs are grouped GEMMs of one group whose row count, the chunk's trained rows, is a
     device tensor: no host read, so a CUDA graph replays it for any mix of rows. The rows past that
-    count get no logits and no gradient from the GEMMs; their gradient is set to 0."""
+    count get no logits and no gradient from the GEMMs; their gradient is set to 0. Rows are gathered
+    and their gradients scattered a chunk at a time: no sorted copy of the whole hidden state."""
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     if chunk_size is None:
         chunk_size = default_chunk_size(n_rows, n_vocab, hidden.element_size())
@@ -271,23 +272,21 @@ def _trained_rows_first(
     ignored = labels == ignore_index
     order = torch.argsort(ignored.to(torch.int8), stable=True)
     trained = (~ignored).sum(dtype=torch.int32).view(1)
-    rows, row_labels = hidden.index_select(0, order), labels.index_select(0, order).contiguous()
+    sorted_labels = labels.index_select(0, order)
     sorted_loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    sorted_grad = torch.empty_like(rows) if needs_grad else None
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs_grad else None
     for start in range(0, n_rows, chunk_size):
         end = min(start + chunk_size, n_rows)
-        counted = (trained - start).clamp(0, end - start)
-        logits = torch._grouped_mm(rows[start:end], weight.T[None], offs=counted)
+        rows, counted = order[start:end], (trained - start).clamp(0, end - start)
+        logits = torch._grouped_mm(hidden.index_select(0, rows), weight.T[None], offs=counted)
         _cross_entropy_rows(
-            logits, row_labels[start:end], sorted_loss[start:end], ignore_index, needs_grad, True
+            logits, sorted_labels[start:end], sorted_loss[start:end], ignore_index, needs_grad, True
         )
         if needs_grad:
-            sorted_grad[start:end] = torch._grouped_mm(logits, weight[None], offs=counted)
-    row_loss = torch.empty_like(sorted_loss).index_copy_(0, order, sorted_loss)
-    if not needs_grad:
-        return row_loss, None
-    sorted_grad.masked_fill_(torch.arange(n_rows, device=hidden.device)[:, None] >= trained, 0)
-    return row_loss, torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad)
+            chunk_grad = torch._grouped_mm(logits, weight[None], offs=counted)
+            chunk_grad.masked_fill_(torch.arange(end - start, device=hidden.device)[:, None] >= counted, 0)
+            grad_hidden.index_copy_(0, rows, chunk_grad)
+    return torch.empty_like(sorted_loss).index_copy_(0, order, sorted_loss), grad_hidden
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
