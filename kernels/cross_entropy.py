@@ -216,8 +216,6 @@ def linear_cross_entropy_forward(
     """Per-row losses in fp32 and, if needs_grad, each row's d loss / d hidden, one chunk of rows at a
     time (a row's gradient depends on its own loss only). trained_rows_only: the GEMMs skip the rows
     whose label is ignored (_trained_rows_first), where torch's grouped GEMM takes these tensors."""
-    if trained_rows_only and _grouped_gemm_takes(hidden, weight):
-        return _trained_rows_first(hidden, weight, labels, chunk_size, ignore_index, needs_grad)
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"hidden and weight must share a float dtype; got {hidden.dtype}, {weight.dtype}")
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
@@ -225,6 +223,8 @@ def linear_cross_entropy_forward(
         chunk_size = default_chunk_size(n_rows, n_vocab, hidden.element_size())
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if trained_rows_only and _grouped_gemm_takes(hidden, weight):
+        return _trained_rows_first(hidden, weight, labels, chunk_size, ignore_index, needs_grad)
 
     labels = labels.contiguous()
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
@@ -254,7 +254,7 @@ def _trained_rows_first(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int | None,
+    chunk_size: int,
     ignore_index: int,
     needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -264,11 +264,7 @@ def _trained_rows_first(
     device tensor: no host read, so a CUDA graph replays it for any mix of rows. The rows past that
     count get no logits and no gradient from the GEMMs; their gradient is set to 0. Rows are gathered
     and their gradients scattered a chunk at a time: no sorted copy of the whole hidden state."""
-    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
-    if chunk_size is None:
-        chunk_size = default_chunk_size(n_rows, n_vocab, hidden.element_size())
-    elif chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    n_rows = hidden.shape[0]
     ignored = labels == ignore_index
     order = torch.argsort(ignored.to(torch.int8), stable=True)
     trained = (~ignored).sum(dtype=torch.int32).view(1)
