@@ -144,6 +144,10 @@ def cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
     hidden = leaf(tokens, HIDDEN, scale=0.5)
     lm_head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=BF16) * 0.02
     labels = torch.randint(0, VOCAB, (tokens,), device="cuda")
+    # An SFT row's shape: the first 40 % of each 2048-token row a prompt no loss reads.
+    prompted = labels.view(batch, seq).clone()
+    prompted[:, : seq * 2 // 5] = -100
+    prompted = prompted.view(-1)
     weight = torch.randn(INTER, HIDDEN, device="cuda", dtype=BF16) * 0.02
     nf4 = [quantize_nf4(weight), quantize_nf4(weight)]
     lora_a = [leaf(RANK, HIDDEN, scale=0.02, dtype=torch.float32) for _ in range(2)]
@@ -196,6 +200,18 @@ def cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
         "lm_head + cross-entropy": (
             fwd_bwd(lambda: linear_cross_entropy(hidden, lm_head, labels)[0], [hidden]),
             fwd_bwd(lambda: F.cross_entropy((hidden @ lm_head.T).float(), labels, reduction="sum"), [hidden]),
+        ),
+        "lm_head, trained rows only vs all, 40 % masked": (
+            fwd_bwd(
+                lambda: linear_cross_entropy(hidden, lm_head, prompted, trained_rows_only=True)[0], [hidden]
+            ),
+            fwd_bwd(lambda: linear_cross_entropy(hidden, lm_head, prompted)[0], [hidden]),
+        ),
+        "lm_head, trained rows only vs all, none masked": (
+            fwd_bwd(
+                lambda: linear_cross_entropy(hidden, lm_head, labels, trained_rows_only=True)[0], [hidden]
+            ),
+            fwd_bwd(lambda: linear_cross_entropy(hidden, lm_head, labels)[0], [hidden]),
         ),
         "nf4 dequantize (gate)": (
             lambda: dequantize_nf4(nf4[0], out=scratch),
