@@ -502,3 +502,17 @@ def as_written_before_manifests(checkpoint: Path) -> None:
     del state["manifest_written"]
     state_file.write_text(json.dumps(state))
     (Path(checkpoint) / "manifest.json").unlink()
+
+
+def captured_graph(run):
+    """run() warmed up once on a side stream, as capture asks, then captured in a CUDA graph: (the
+    graph, what the captured call returned, which each replay writes again)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    return graph, outputs

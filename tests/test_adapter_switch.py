@@ -5,7 +5,7 @@ import functools
 
 import pytest
 import torch
-from checkpoints import write_qwen3, write_qwen3_5
+from checkpoints import captured_graph, write_qwen3, write_qwen3_5
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_cli.model import LoRAConfig, QLoRAModel
@@ -137,14 +137,7 @@ def test_gpu_one_captured_graph_runs_policy_and_reference_and_follows_the_switch
 
     with torch.no_grad():
         eager_policy, eager_reference = both()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            both()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            policy, reference = both()
+        graph, (policy, reference) = captured_graph(both)
     graph.replay()
     assert torch.equal(policy, eager_policy) and torch.equal(reference, eager_reference)
     assert model.adapter_scale.item() == 1.0

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from checkpoints import captured_graph
 
 from qlora_kernels.cross_entropy import (
     default_chunk_size,
@@ -162,14 +163,7 @@ def test_gpu_trained_rows_only_replays_in_a_cuda_graph_for_any_mask():
     def forward():
         return linear_cross_entropy_forward(hidden, weight, masked, None, -100, True, trained_rows_only=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        row_loss, grad = forward()
+    graph, (row_loss, grad) = captured_graph(forward)
     for prompt in (0, 3000, hidden.shape[0] - 192):
         masked.copy_(labels)
         masked[:prompt] = -100

@@ -3,6 +3,7 @@ token-by-token reference, and the reference against transformers."""
 
 import pytest
 import torch
+from checkpoints import captured_graph
 
 from qlora_kernels.delta_rule import (
     CHUNK,
@@ -365,14 +366,7 @@ def test_gpu_cuda_graph_replay_equals_eager(tokens_per_pass):
     # make the captured backward wait on that stream, which capture forbids (CUDA's
     # cudaErrorStreamCaptureImplicit on the H200); the graph's leaves first meet autograd in warm-up.
     expected = step([t.detach().clone().requires_grad_(t.requires_grad) for t in leaves])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(leaves)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(leaves)
+    graph, captured = captured_graph(lambda: step(leaves))
     graph.replay()
     torch.cuda.synchronize()
     for actual, want in zip(captured, expected, strict=True):

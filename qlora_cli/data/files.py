@@ -21,12 +21,8 @@ from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.files import sha256_file
 from qlora_cli.core.jsonl import Row, json_error, json_lines, json_type
 from qlora_cli.core.wording import count
+from qlora_cli.sources.dataset_files import DATA_SUFFIXES, FORMATS, GZIP
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-# The text formats may come gzip-compressed (`rows.jsonl.gz`), as `datasets` reads them; Parquet and
-# Arrow compress their own columns, so a `.parquet.gz` is no format qlora reads.
-GZIP = ".gz"
-DATA_SUFFIXES = (*FORMATS, *(suffix + GZIP for suffix, name in FORMATS.items() if name in ("json", "csv")))
 # Files `datasets` writes next to its data or passes over in a hub repo (its FILES_TO_IGNORE: the older
 # repos' dataset_infos.json, a config.json); they describe the data and are not rows.
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json", "config.json"}

@@ -29,6 +29,7 @@ from huggingface_hub.utils import (
 )
 
 from qlora_cli.core.errors import QLoraError
+from qlora_cli.sources.dataset_files import DATA_SUFFIXES
 from qlora_cli.sources.hf_files import (
     GENERATION_CONFIG,
     MODEL_CONFIG,
@@ -44,10 +45,9 @@ MODEL_FILE_PATTERNS = (
     SAFETENSORS_INDEX,
     *TOKENIZER_FILES,
 )
-# What qlora_cli/data/files.py reads (its DATA_SUFFIXES; sources do not import data), all of it: else a
-# snapshot another tool had downloaded whole would train on files that a fresh download leaves out.
-_DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".jsonl.gz", ".json.gz", ".csv.gz")
-DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in _DATASET_SUFFIXES)
+# Every format qlora reads: else a snapshot another tool had downloaded whole would train on files that
+# a fresh download leaves out.
+DATASET_FILE_PATTERNS = tuple(f"*{suffix}" for suffix in DATA_SUFFIXES)
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -179,7 +179,7 @@ def resolve_dataset(
     holds what it holds.
     """
     local = _existing_local_path(
-        path_or_repo, revision, noun="dataset file or folder", file_suffixes=_DATASET_SUFFIXES
+        path_or_repo, revision, noun="dataset file or folder", file_suffixes=DATA_SUFFIXES
     )
     if local is not None:
         return local
@@ -188,9 +188,8 @@ def resolve_dataset(
         revision=revision,
         repo_type="dataset",
         patterns=DATASET_FILE_PATTERNS,
-        required_suffixes=_DATASET_SUFFIXES,
-        missing_files_message="has no .jsonl, .json, .parquet, .arrow or .csv files (nor .jsonl.gz, .json.gz, .csv.gz); "
-        "qlora reads only those formats",
+        required_suffixes=DATA_SUFFIXES,
+        missing_files_message=f"has no {', '.join(DATA_SUFFIXES)} files; qlora reads only those formats",
         choose=choose,
     )
     return _download(repo, token=token, cache_dir=cache_dir)
