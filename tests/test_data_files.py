@@ -257,8 +257,8 @@ def test_a_folder_reads_its_gz_files_by_split(tmp_path):
 
 
 def test_a_folder_names_the_files_it_does_not_read(tmp_path):
-    """A file in no format qlora reads trains nothing, and a note says so; hidden files, the metadata
-    `datasets` writes and a hub repo's README.md are not rows, and go without one."""
+    """A file in no format qlora reads trains nothing, and a note says so; hidden files, special
+    folders, the metadata `datasets` writes and a hub repo's README.md are not rows, and go without one."""
     folder = tmp_path / "repo"
     write(folder / "train.jsonl", ROWS, "jsonl")
     for name in ("notes.txt", "more/rows.tsv", "rows.parquet.gz", "README.md", ".gitattributes"):
@@ -266,6 +266,9 @@ def test_a_folder_names_the_files_it_does_not_read(tmp_path):
         (folder / name).write_text("a\tb\n")
     (folder / ".cache").mkdir()
     (folder / ".cache" / "download.lock").write_text("")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "prepare.cpython-311.pyc").write_text("")
+    (folder / "__pycache__" / "rows.jsonl").write_text('{"text": "not a row"}\n')
     for name in ("dataset_info.json", "dataset_infos.json", "config.json"):
         (folder / name).write_text('{"default": {"description": "not a row"}}')
     assert words(read_split(folder, "train")) == ALL
@@ -294,6 +297,7 @@ def test_data_files_and_subsets(tmp_path):
     write(folder / "main" / "train.jsonl", ROWS[:4], "jsonl")
     write(folder / "main" / "test.jsonl", ROWS[4:6], "jsonl")
     write(folder / "extra" / "train.jsonl", ROWS[6:], "jsonl")
+    (folder / "__pycache__").mkdir()
     assert words(read_split(folder, "train", subset="extra")) == ALL[6:]
     assert words(read_split(folder, "test", subset="main")) == ALL[4:6]
     with pytest.raises(QLoraError, match=r"no subset 'other' \(its folders: extra, main\)"):

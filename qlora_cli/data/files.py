@@ -109,14 +109,18 @@ def _suffix(name: str) -> str:
     return "".join(path.suffixes[-2:]) if path.suffix == GZIP else path.suffix
 
 
+def _passed_over(name: str, *, is_dir: bool) -> bool:
+    """Hidden files and folders (`.git/`, `.gitattributes`) and special folders (`__pycache__/`),
+    which `datasets` passes over too."""
+    return name.startswith(".") or (is_dir and name.startswith("__"))
+
+
 def _folder_files(folder: Path) -> list[Path]:
-    """Every file under folder but the hidden ones (`.git/`, `.gitattributes`), which `datasets` passes
-    over too."""
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
+    def kept(path: Path) -> bool:
+        *dirs, name = path.relative_to(folder).parts
+        return not _passed_over(name, is_dir=False) and not any(_passed_over(d, is_dir=True) for d in dirs)
+
+    return sorted(p for p in folder.rglob("*") if p.is_file() and kept(p))
 
 
 def _data_files_in(folder: Path) -> list[Path]:
@@ -236,7 +240,9 @@ def split_files(
     if subset is not None:
         folder = path / subset
         if not folder.is_dir():
-            names = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+            names = sorted(
+                p.name for p in path.iterdir() if p.is_dir() and not _passed_over(p.name, is_dir=True)
+            )
             raise QLoraError(
                 f"{where}: no subset '{subset}' (its folders: {', '.join(names) or 'none'}); check `name`"
             )
