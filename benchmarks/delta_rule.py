@@ -309,7 +309,7 @@ def main() -> None:
             rows[name] = row
             print_row(name, row, rows["ours"])
         if args.kernels:
-            profiled = {"ours": ours(None)}
+            profiled = {"ours": ours(None), **({"before": ours(None, before)} if before else {})}
             if fla:
                 profiled[f"{fla_source} chunk_gated_delta_rule"] = fla_chunk(fla, None)
             for name, fn in profiled.items():
