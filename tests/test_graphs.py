@@ -265,6 +265,7 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
         graphed(inputs, 1, 1.0)
     side.synchronize()
     assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
     assert torch.ones(4, device=CUDA).sum().item() == 4
 
 

@@ -156,8 +156,14 @@ class GraphedLoss:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream(self.device)
+        # The outer context puts the caller's stream back even where ending a failed capture raises,
+        # which torch.cuda.graph's own exit then skips.
         try:
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with (
+                torch.cuda.stream(capture_stream),
+                torch.cuda.graph(self.graph, stream=capture_stream, capture_error_mode="thread_local"),
+            ):
                 loss_sum, _ = self.loss_fn(*self.inputs)
                 (loss_sum * self.scale).backward()
                 self.loss_sum = loss_sum.detach()
