@@ -19,7 +19,7 @@ if TRITON_AVAILABLE:
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _chunk_state_grads(
+    def _chunk_bwd_state_kernel(
         q_ptr,
         k_ptr,
         b_ptr,
@@ -52,7 +52,7 @@ if TRITON_AVAILABLE:
         chunk and the dS leaving it (both stored by the scans), over Dv in blocks of BLOCK_V:
         dq = carry exp(b) dO S^T, dk = K~'s scale (delta dS^T), dW = -d delta S^T, and db's terms
         (q . dq - k . dk, with the last token taking the decays' sum and exp(b_last) S . dS).
-        Written whole for _chunk_intra_grads, which adds its terms to dq, dk and db (fp32) and
+        Written whole for _chunk_bwd_intra_kernel, which adds its terms to dq, dk and db (fp32) and
         reads dW (only ever a product's operand, so stored in the tables' dtype)."""
         n = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
@@ -124,7 +124,7 @@ if TRITON_AVAILABLE:
             return tl.where(same, tl.exp(tl.where(same, b[:, None] - b[None, :], 0.0)), 0.0)
 
     @triton.jit
-    def _chunk_intra_grads(
+    def _chunk_bwd_intra_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
@@ -282,129 +282,8 @@ if TRITON_AVAILABLE:
         dbeta_ptrs = dbeta_ptr + (batch * seq + rows) * v_heads + head
         tl.store(dbeta_ptrs, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
 
-    @triton.jit
-    def _chunk_bwd_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        beta_ptr,
-        b_ptr,
-        docs_ptr,
-        t_ptr,
-        w_ptr,
-        u_ptr,
-        h_ptr,
-        dh_ptr,
-        delta_ptr,
-        ddelta_ptr,
-        do_ptr,
-        dq_ptr,
-        dk_ptr,
-        dw_ptr,
-        db_ptr,
-        dv_ptr,
-        dbeta_ptr,
-        transposes_ptr,
-        seq,
-        k_heads: tl.constexpr,
-        v_heads: tl.constexpr,
-        k_dim: tl.constexpr,
-        v_dim: tl.constexpr,
-        v_stride_b,
-        v_stride_t,
-        v_stride_h,
-        beta_stride_b,
-        beta_stride_t,
-        beta_stride_h,
-        docs_stride_b,
-        docs_stride_t,
-        do_stride_b,
-        do_stride_t,
-        do_stride_h,
-        GROUP: tl.constexpr,
-        CHUNK: tl.constexpr,
-        STATE_BLOCK_K: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
-        """Per chunk and v-head, the state's share of the gradients, then the chunk's own. The
-        first part's dq, dk (fp32), dW and db are the second's inputs: written by this program and
-        read back by it after a barrier, they stay in L2 instead of crossing HBM between two
-        kernels (at one 32K row of the 9B, about 3 GB of fp32 and bf16 rows)."""
-        _chunk_state_grads(
-            q_ptr,
-            k_ptr,
-            b_ptr,
-            docs_ptr,
-            h_ptr,
-            dh_ptr,
-            delta_ptr,
-            ddelta_ptr,
-            do_ptr,
-            dq_ptr,
-            dk_ptr,
-            dw_ptr,
-            db_ptr,
-            seq,
-            k_heads,
-            v_heads,
-            k_dim,
-            v_dim,
-            docs_stride_b,
-            docs_stride_t,
-            do_stride_b,
-            do_stride_t,
-            do_stride_h,
-            GROUP,
-            CHUNK,
-            STATE_BLOCK_K,
-            BLOCK_V,
-        )
-        tl.debug_barrier()
-        _chunk_intra_grads(
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            beta_ptr,
-            b_ptr,
-            docs_ptr,
-            t_ptr,
-            w_ptr,
-            u_ptr,
-            delta_ptr,
-            do_ptr,
-            ddelta_ptr,
-            dw_ptr,
-            dq_ptr,
-            dk_ptr,
-            db_ptr,
-            dv_ptr,
-            dbeta_ptr,
-            transposes_ptr,
-            seq,
-            k_heads,
-            v_heads,
-            k_dim,
-            v_dim,
-            v_stride_b,
-            v_stride_t,
-            v_stride_h,
-            beta_stride_b,
-            beta_stride_t,
-            beta_stride_h,
-            docs_stride_b,
-            docs_stride_t,
-            do_stride_b,
-            do_stride_t,
-            do_stride_h,
-            GROUP,
-            CHUNK,
-            BLOCK_K,
-            BLOCK_V,
-        )
 
-
-# The per-chunk backward kernel takes Dv (and Dk) in blocks of this many columns: fewer live registers.
+# The per-chunk backward kernels take Dv (and Dk) in blocks of this many columns: fewer live registers.
 _CHUNK_BLOCK = 64
 _CHUNK_STAGES = 3
 
@@ -425,11 +304,41 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
     # it reads back to the same bits for half the bytes.
     dw = torch.empty(batch, seq, v_heads, k_dim, dtype=t.dtype, device=device)
     db = torch.empty(batch, seq, v_heads, dtype=torch.float32, device=device)
+    _chunk_bwd_state_kernel[(triton.cdiv(seq, CHUNK), batch, v_heads)](
+        q,
+        k,
+        b,
+        docs,
+        h,
+        dh,
+        delta,
+        ddelta,
+        do,
+        dq,
+        dk,
+        dw,
+        db,
+        seq,
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+        docs.stride(0),
+        docs.stride(1),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        GROUP=group,
+        CHUNK=CHUNK,
+        BLOCK_K=block_k,
+        BLOCK_V=min(_CHUNK_BLOCK, _block(v_dim)),
+        num_warps=_WARPS,
+    )
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=device)
     n_chunks = triton.cdiv(seq, CHUNK)
     transposes = torch.empty(batch, n_chunks, v_heads, 2, CHUNK, CHUNK, dtype=t.dtype, device=device)
-    _chunk_bwd_kernel[(n_chunks, batch, v_heads)](
+    _chunk_bwd_intra_kernel[(n_chunks, batch, v_heads)](
         q,
         k,
         v,
@@ -439,14 +348,12 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         t,
         w,
         u,
-        h,
-        dh,
         delta,
-        ddelta,
         do,
+        ddelta,
+        dw,
         dq,
         dk,
-        dw,
         db,
         dv,
         dbeta,
@@ -469,7 +376,6 @@ def _chunk_backward(q, k, v, beta, b, docs, initial_state, saved, do, dfinal):
         do.stride(2),
         GROUP=group,
         CHUNK=CHUNK,
-        STATE_BLOCK_K=block_k,
         BLOCK_K=min(_CHUNK_BLOCK, block_k),
         BLOCK_V=min(_CHUNK_BLOCK, _block(v_dim)),
         num_warps=_WARPS,

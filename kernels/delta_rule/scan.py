@@ -147,7 +147,7 @@ if TRITON_AVAILABLE:
         needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta (K~'s and Q~'s
         decays scale K dS's rows and dO's, as in the forward). It stores each chunk's d delta and
         the dS leaving the chunk; the state's shares of dq, dk, dW and db, which need no recurrence,
-        follow chunk-parallel in _chunk_bwd_kernel."""
+        follow chunk-parallel in _chunk_bwd_state_kernel."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
