@@ -21,12 +21,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_capture_left_open(request):
-    """A GPU test that returns with its stream still capturing breaks every later test of its worker
-    (their first CUDA random draw fails); this names the test that left it open instead."""
+def no_capture_left_behind(request):
+    """A GPU test that leaves its stream capturing, or the device's random generator in a capture that
+    ended by an error, fails every later random draw of its worker; this names that test instead."""
     yield
-    if "gpu" in request.keywords and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        return
+    if torch.cuda.is_current_stream_capturing():
         pytest.fail("the test returned with the current CUDA stream still capturing a graph")
+    try:
+        torch.rand(1, device="cuda")
+    except RuntimeError as err:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        generator.graphsafe_set_state(generator.clone_state())
+        pytest.fail(f"the test left the CUDA random generator unusable: {err}")
 
 
 @pytest.fixture

@@ -267,6 +267,7 @@ def test_running_out_of_memory_mid_capture_is_reported_as_such():
     assert not torch.cuda.is_current_stream_capturing()
     assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
     assert torch.ones(4, device=CUDA).sum().item() == 4
+    assert torch.randn(4, device=CUDA).isfinite().all()  # the generator is out of the failed capture
 
 
 @pytest.mark.gpu
