@@ -107,6 +107,7 @@ VARIANT_KEYS = {
     "columns": value_columns,
     "warps": lambda warps: {(scan, "_SCAN_WARPS"): warps},
     "stages": lambda stages: {(scan, "_SCAN_STAGES"): stages},
+    "decays_on_tiles": lambda on: {(scan, "_decays_on_tiles"): lambda programs, device: bool(on)},
     "chunk_block": lambda columns: {(backward, "_CHUNK_BLOCK"): columns},
     "chunk_stages": lambda stages: {(backward, "_CHUNK_STAGES"): stages},
     "solve_warps": lambda warps: {(tables, "_SOLVE_WARPS"): warps},

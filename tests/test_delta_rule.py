@@ -12,6 +12,7 @@ from qlora_kernels.delta_rule import (
     gated_delta_rule_reference,
     gated_delta_rule_step,
     gated_delta_rule_step_reference,
+    scan,
 )
 
 # Tolerance, as a fraction of the expected tensor's largest magnitude. In fp32 every output, state
@@ -91,9 +92,14 @@ def _grads(outputs, leaves, out_grads):
     [(1, SEQ, 2, False, False, True), (2, SEQ, 1, True, True, True), (1, 100, 2, False, True, False)],
     ids=["one-document", "packed-with-state", "unnormalized-with-state"],
 )
-def test_triton_matches_reference(batch, seq, k_heads, packed, with_state, normalize_qk):
+@pytest.mark.parametrize("decays_on_tiles", [True, False], ids=["decays-on-tiles", "decays-on-products"])
+def test_triton_matches_reference(
+    batch, seq, k_heads, packed, with_state, normalize_qk, decays_on_tiles, monkeypatch
+):
     """Two k-heads serving four v-heads check the head mapping; Dk = 24, Dv = 40 pad to 32 and
-    split over two Dv blocks of the scans; T = 150 ends on a partial chunk."""
+    split over two Dv blocks of the scans; T = 150 ends on a partial chunk. The scans' two forms
+    (where the decays scale q and k, or the products' narrow side) each."""
+    monkeypatch.setattr(scan, "_decays_on_tiles", lambda programs, device: decays_on_tiles)
     _check_against_reference(batch, seq, k_heads, packed, with_state, normalize_qk)
 
 

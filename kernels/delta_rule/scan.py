@@ -2,9 +2,11 @@
 state, with the output formed on the way (or, for backward's rerun, the states stored instead); and
 the same in reverse for the state's gradient."""
 
+import math
+
 import torch
 
-from qlora_kernels._dispatch import TRITON_AVAILABLE
+from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors
 
 from .common import CHUNK, _block
 
@@ -46,15 +48,18 @@ if TRITON_AVAILABLE:
         STORE_FINAL: tl.constexpr,
         STORE_STATES: tl.constexpr,
         STORE_OUTPUT: tl.constexpr,
+        DECAYS_ON_TILES: tl.constexpr,
     ):
         """One (Dv block, batch, v-head) walks the chunks in order, its state slice [Dk, BLOCK_V]
         in fp32 registers (the delta rule is separable over v's columns):
         delta = U - W S;  o = carry exp(b) (Q S) + Aqk delta;
         S <- [last doc carries] exp(b_last) S + K^T ([last doc] exp(b_last - b) delta).
-        The per-token decays scale the [CHUNK, BLOCK_V] side of each product, never the [CHUNK, Dk]
-        tiles, so q and k go from memory to the tensor cores as loaded (a quarter of the multiplies
-        at Dk 128 and 32 columns, off the chain of products that carries S). With STORE_STATES it stores the entering states (in the tables' dtype: only products read
-        them) and the corrections, and skips o: for backward's rerun, which does not read o."""
+        The per-token decays scale the [CHUNK, BLOCK_V] side of each product, so q and k go from
+        memory to the tensor cores as loaded (a quarter of the multiplies at Dk 128 and 32 columns,
+        off the chain of products that carries S); with DECAYS_ON_TILES they scale the q and k
+        tiles in registers instead, which holds less in shared memory (see _decays_on_tiles). With
+        STORE_STATES it stores the entering states (in the tables' dtype: only products read them)
+        and the corrections, and skips o: for backward's rerun, which does not read o."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
@@ -104,11 +109,19 @@ if TRITON_AVAILABLE:
                 tl.store(delta_ptr + v_at, delta.to(delta_ptr.dtype.element_ty), mask=v_mask)
             if STORE_OUTPUT:
                 q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
+                q_scale = tl.where(carry, tl.exp(b), 0.0)[:, None]
                 aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
-                o = _mma(q, s, dot) * tl.where(carry, tl.exp(b), 0.0)[:, None] + _mma(aqk, delta, dot)
+                if DECAYS_ON_TILES:
+                    o = _mma(q * q_scale, s, dot) + _mma(aqk, delta, dot)
+                else:
+                    o = _mma(q, s, dot) * q_scale + _mma(aqk, delta, dot)
                 tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=v_mask)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
-            delta = delta * tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+            k_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+            if DECAYS_ON_TILES and STORE_OUTPUT:
+                k = k * k_scale
+            else:
+                delta = delta * k_scale
             s = s * tl.where(last_carries, tl.exp(b_last), 0.0) + _mma(tl.trans(k), delta, dot)
         if STORE_FINAL:
             tl.store(ht_ptr + (batch * v_heads + head) * state_size + state_offsets, s, mask=state_mask)
@@ -142,10 +155,11 @@ if TRITON_AVAILABLE:
         BLOCK_V: tl.constexpr,
         HAS_FINAL_GRAD: tl.constexpr,
         STORE_INITIAL_GRAD: tl.constexpr,
+        DECAYS_ON_TILES: tl.constexpr,
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32: only what the recurrence
         needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta (K~'s and Q~'s
-        decays scale K dS's rows and dO's, as in the forward). It stores each chunk's d delta and
+        decays scale K dS's rows and dO's, or the tiles, as in the forward). It stores each chunk's d delta and
         the dS leaving the chunk; the state's shares of dq, dk, dW and db, which need no recurrence,
         follow chunk-parallel in _chunk_bwd_state_kernel."""
         batch = tl.program_id(1).to(tl.int64)
@@ -196,11 +210,18 @@ if TRITON_AVAILABLE:
             do = tl.load(do_ptr + do_at, mask=v_mask, other=0.0)
             aqk = tl.load(aqk_ptr + first * CHUNK + aqk_tile, mask=valid[:, None], other=0.0)
             k = tl.load(k_ptr + qk_at, mask=k_mask, other=0.0)
-            k_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)
-            ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot) * k_scale[:, None]
+            k_scale = tl.where(in_last, tl.exp(b_last - b), 0.0)[:, None]
+            if DECAYS_ON_TILES:
+                ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k * k_scale, ds, dot)
+            else:
+                ddelta = _mma(tl.trans(aqk), do, dot) + _mma(k, ds, dot) * k_scale
             tl.store(ddelta_ptr + v_at, ddelta.to(ddelta_ptr.dtype.element_ty), mask=v_mask)
             q = tl.load(q_ptr + qk_at, mask=k_mask, other=0.0)
-            do = do * tl.where(carry, tl.exp(b), 0.0)[:, None]
+            q_scale = tl.where(carry, tl.exp(b), 0.0)[:, None]
+            if DECAYS_ON_TILES:
+                q = q * q_scale
+            else:
+                do = do * q_scale
             w = tl.load(w_ptr + first * k_dim + k_tile, mask=k_mask, other=0.0)
             decay = tl.where(last_carries, tl.exp(b_last), 0.0)
             ds = ds * decay + _mma(tl.trans(q), do, dot) - _mma(tl.trans(w), ddelta, dot)
@@ -224,6 +245,16 @@ def _block_v(v_dim: int) -> int:
     return min(32, _block(v_dim))
 
 
+def _decays_on_tiles(programs: int, device: torch.device) -> bool:
+    """Where the programs outnumber the SMs, the decays scale the q and k tiles: the scans then hold
+    115 KB of shared memory, and two programs share an SM, where scaling the [CHUNK, BLOCK_V] side
+    holds 132 KB and leaves one. Where they fit one wave (a 32K row), the narrow side is faster. On
+    the H100 (benchmarks.delta_rule, ms): at 4 x 2048 (512 programs) the forward scan 0.234 against
+    0.320 and the backward 0.259 against 0.336; at 1 x 32768 (128) 1.479 against 1.316 and 1.540
+    against 1.340. The backward's rerun, 86 KB either way, always takes the narrow side."""
+    return programs > multiprocessors(device)
+
+
 def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state, store_states):
     """o, the final state (or None) and, with store_states (backward's rerun), no o but the state
     entering each chunk and the corrections delta = U - W S."""
@@ -243,7 +274,8 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
         if output_final_state
         else o
     )
-    _chunk_scan_fwd_kernel[(triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)](
+    grid = (triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)
+    _chunk_scan_fwd_kernel[grid](
         q,
         k,
         w,
@@ -271,6 +303,7 @@ def _scan_forward(q, k, w, u, aqk, b, docs, v, initial_state, output_final_state
         STORE_FINAL=output_final_state,
         STORE_STATES=store_states,
         STORE_OUTPUT=not store_states,
+        DECAYS_ON_TILES=_decays_on_tiles(math.prod(grid), device),
         num_warps=_SCAN_WARPS,
         num_stages=_SCAN_STAGES,
     )
@@ -287,7 +320,8 @@ def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
     ddelta = torch.empty(batch, seq, v_heads, v_dim, dtype=w.dtype, device=device)
     dh = torch.empty_like(h)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else ddelta
-    _chunk_scan_bwd_kernel[(triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)](
+    grid = (triton.cdiv(v_dim, _block_v(v_dim)), batch, v_heads)
+    _chunk_scan_bwd_kernel[grid](
         q,
         k,
         w,
@@ -315,6 +349,7 @@ def _scan_backward(q, k, w, aqk, b, docs, do, dfinal, initial_state, h):
         BLOCK_V=_block_v(v_dim),
         HAS_FINAL_GRAD=dfinal is not None,
         STORE_INITIAL_GRAD=initial_state is not None,
+        DECAYS_ON_TILES=_decays_on_tiles(math.prod(grid), device),
         num_warps=_SCAN_WARPS,
         num_stages=_SCAN_STAGES,
     )
