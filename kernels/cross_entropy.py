@@ -282,6 +282,9 @@ def _trained_rows_first(
             chunk_grad = torch._grouped_mm(logits, weight[None], offs=counted)
             chunk_grad.masked_fill_(torch.arange(end - start, device=hidden.device)[:, None] >= counted, 0)
             grad_hidden.index_copy_(0, rows, chunk_grad)
+        # The grouped GEMM takes no out=: without this the next chunk's logits are allocated while
+        # this chunk's are still held, two chunks at once.
+        del logits
     return torch.empty_like(sorted_loss).index_copy_(0, order, sorted_loss), grad_hidden
 
 
