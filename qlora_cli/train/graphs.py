@@ -168,7 +168,7 @@ class GraphedLoss:
                 (loss_sum * self.scale).backward()
                 self.loss_sum = loss_sum.detach()
         except RuntimeError as err:
-            _release_generator(self.device)
+            release_generator(self.device)
             # Running out of memory mid-capture leaves side-stream work unjoined, and ending the capture
             # then fails with "capturing stream has unjoined work": the error that says what happened
             # is the one it interrupted.
@@ -177,7 +177,7 @@ class GraphedLoss:
             raise
 
 
-def _release_generator(device: torch.device) -> None:
+def release_generator(device: torch.device) -> None:
     """A capture whose end raised never hands the device's random generator back (torch does that
     after ending the capture), and every later draw on the device fails ("Offset increment outside
     graph capture"): a copy of its state, seed and offset, takes its place."""
