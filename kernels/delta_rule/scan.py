@@ -159,9 +159,9 @@ if TRITON_AVAILABLE:
     ):
         """The forward scan in reverse, carrying dS [Dk, BLOCK_V] in fp32: only what the recurrence
         needs, d delta = Aqk^T dO + K~ dS and dS <- decay dS + Q~^T dO - W^T d delta (K~'s and Q~'s
-        decays scale K dS's rows and dO's, or the tiles, as in the forward). It stores each chunk's d delta and
-        the dS leaving the chunk; the state's shares of dq, dk, dW and db, which need no recurrence,
-        follow chunk-parallel in _chunk_bwd_state_kernel."""
+        decays scale K dS's rows and dO's, or the tiles, as in the forward). It stores each chunk's
+        d delta and the dS leaving the chunk; the state's shares of dq, dk, dW and db, which need no
+        recurrence, follow chunk-parallel in _chunk_bwd_state_kernel."""
         batch = tl.program_id(1).to(tl.int64)
         head = tl.program_id(2)
         dims = tl.arange(0, BLOCK_K)
