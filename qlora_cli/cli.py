@@ -15,8 +15,8 @@ from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
 from qlora_cli.core.console import OutputConsole, survive_closed_pipes
 from qlora_cli.core.errors import QLoraError, RunAborted, RunInterrupted
+from qlora_cli.core.signals import answer_signals, ignore_signals
 from qlora_cli.core.wording import count
-from qlora_cli.train.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
     name="qlora",
