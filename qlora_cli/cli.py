@@ -465,3 +465,8 @@ def main() -> None:
         ignore_signals()
         console.print(f"[bold red]interrupted:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
+    except SystemExit:
+        # Typer exits this way when a command returns: its work is printed, and a Ctrl-C while the
+        # interpreter shuts down (torch's teardown takes a moment) would end it as 130, with no line.
+        ignore_signals()
+        raise

@@ -627,6 +627,21 @@ def test_a_signal_after_the_done_line_is_ignored(tmp_path, run_cli):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def test_a_signal_after_data_or_generate_has_printed_is_ignored(tmp_path, run_cli):
+    """data and generate end with their report or completions, not `done:`: a Ctrl-C while the process
+    exits after them (torch's teardown takes a moment) must not turn the exit into 130 either."""
+    config = write_run(tmp_path / "run", max_steps=1)
+    generate = ("generate", config, "--base-only", "--prompt", "Hi", "--max-new-tokens", "2")
+    try:
+        for command in (("data", config), generate):
+            code, _, err = run_cli(*command)
+            assert code == 0, err
+            assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in (signal.SIGINT, signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_saved_files_follow_the_umask(tmp_path, run_cli):
     config = write_run(tmp_path / "run", max_steps=2)
     assert run_cli("train", config)[0] == 0
