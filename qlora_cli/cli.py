@@ -15,8 +15,8 @@ from qlora_cli import __version__
 from qlora_cli.core.allocator import prefer_expandable_segments
 from qlora_cli.core.console import OutputConsole, survive_closed_pipes
 from qlora_cli.core.errors import QLoraError, RunAborted, RunInterrupted
+from qlora_cli.core.signals import answer_signals, ignore_signals
 from qlora_cli.core.wording import count
-from qlora_cli.train.signals import answer_signals, ignore_signals
 
 app = typer.Typer(
     name="qlora",
@@ -465,3 +465,8 @@ def main() -> None:
         ignore_signals()
         console.print(f"[bold red]interrupted:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
+    except SystemExit:
+        # Typer exits this way when a command returns: its work is printed, and a Ctrl-C while the
+        # interpreter shuts down (torch's teardown takes a moment) would end it as 130, with no line.
+        ignore_signals()
+        raise

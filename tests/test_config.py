@@ -94,6 +94,21 @@ def test_yaml_errors_name_the_line(tmp_path):
         load_config(path)
 
 
+def test_a_key_set_twice_is_refused_naming_both_lines(tmp_path):
+    """YAML loaders keep the last of two equal keys without a word: the earlier value would not train."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "base_model: x\nlora_r: 8\ndatasets:\n  - path: a.jsonl\n    type: alpaca\n    type: completion\n"
+    )
+    with pytest.raises(
+        QLoraError, match=r"at line 6, column 5: 'type' is set twice \(lines 5 and 6\); keep one$"
+    ):
+        load_config(path)
+    path.write_text("base_model: x\nlora_r: 8\nlora_r: 16\n")
+    with pytest.raises(QLoraError, match=r"'lora_r' is set twice \(lines 2 and 3\)"):
+        load_config(path)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(QLoraError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

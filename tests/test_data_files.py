@@ -154,6 +154,16 @@ def test_unreadable_files_are_one_line_errors(tok, tmp_path):
     assert len(load_examples(DatasetConfig(path=str(no_suffix), ds_type="parquet"), tok, 256)) == len(ROWS)
 
 
+def test_a_json_file_of_one_object_over_several_lines_says_so(tmp_path):
+    """Valid JSON, but neither a list of rows nor JSON Lines: the line says that, not that line 1 is invalid."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"data": ROWS}, indent=2))
+    with pytest.raises(QLoraError, match=r"rows\.json: one JSON object over \d+ lines, not rows; write "):
+        list(read_rows(path))
+    path.write_text(json.dumps(ROWS[0]))  # on one line it is JSON Lines of one row, as `datasets` reads it
+    assert [row for _, row in read_rows(path)] == [ROWS[0]]
+
+
 # ----- splits -----
 
 

@@ -627,6 +627,21 @@ def test_a_signal_after_the_done_line_is_ignored(tmp_path, run_cli):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def test_a_signal_after_data_or_generate_has_printed_is_ignored(tmp_path, run_cli):
+    """data and generate end with their report or completions, not `done:`: a Ctrl-C while the process
+    exits after them (torch's teardown takes a moment) must not turn the exit into 130 either."""
+    config = write_run(tmp_path / "run", max_steps=1)
+    generate = ("generate", config, "--base-only", "--prompt", "Hi", "--max-new-tokens", "2")
+    try:
+        for command in (("data", config), generate):
+            code, _, err = run_cli(*command)
+            assert code == 0, err
+            assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in (signal.SIGINT, signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_saved_files_follow_the_umask(tmp_path, run_cli):
     config = write_run(tmp_path / "run", max_steps=2)
     assert run_cli("train", config)[0] == 0
@@ -848,6 +863,20 @@ train.train_step = slow
 """
 
 
+# A Ctrl-C pressed just after the command starts: the child signals itself as its first import of torch
+# begins, which is where a start-up spends its first second.
+SIGNAL_WHILE_TORCH_IMPORTS = """
+import signal, sys
+class SignalOnTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGINT)
+        return None
+sys.meta_path.insert(0, SignalOnTorch())
+"""
+
+
 # After a script's patch, the child trains the config given as its argument.
 TRAIN_WITH_THE_PATCH = """
 import sys
@@ -902,6 +931,16 @@ def test_a_signal_before_the_first_step_stops_at_once_with_a_line(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM received before the first step; nothing was saved" in _last_line(err)
+
+
+def test_a_ctrl_c_while_the_command_starts_up_stops_with_a_line(tmp_path):
+    """The CLI answers signals before it imports torch, so a Ctrl-C during start-up is no traceback."""
+    config = write_run(tmp_path / "run", max_steps=40)
+    proc = _start_training(tmp_path, config, SIGNAL_WHILE_TORCH_IMPORTS)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "interrupted: SIGINT received" in _last_line(err)
+    assert not (tmp_path / "run" / "out").exists()
 
 
 def test_a_second_ctrl_c_asks_for_patience_and_the_checkpoint_is_saved(tmp_path):

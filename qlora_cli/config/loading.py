@@ -57,13 +57,33 @@ def apply_override(raw: dict, path: list[str], value: Any) -> None:
         node[last] = value
 
 
+class _OnceLoader(yaml.SafeLoader):
+    """YAML loaders keep the last of two equal keys without a word, so a key set twice (an edit that
+    missed the first) would train on one value silently; here it is an error naming both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys are meant to be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in lines:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"{key!r} is set twice (lines {lines[key]} and {line}); keep one",
+                    problem_mark=key_node.start_mark,
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict:
     if not path.exists():
         raise QLoraError(f"config file {path} does not exist")
     if not path.is_file():
         raise QLoraError(f"config file {path} is not a file")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_OnceLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

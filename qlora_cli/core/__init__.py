@@ -1,5 +1,5 @@
-"""The bottom layer: errors, files written so crashes lose nothing, the names every layer shares, and the
-profiling hooks the model calls. Imports nothing of ours."""
+"""The bottom layer: errors, the signal handlers every command starts with, files written so crashes lose
+nothing, the names every layer shares, and the profiling hooks the model calls. Imports nothing of ours."""
 
 from qlora_cli.core.errors import QLoraError, RunAborted, RunInterrupted, TrainingStopped, WriteFailed
 

@@ -286,10 +286,26 @@ def _text(file: Path) -> str:
         raise QLoraError(f"{file}: cannot read ({_one_line(error)})") from None
 
 
+def _one_object(file: Path, text: str) -> None:
+    """A pretty-printed object is valid JSON but no JSON Lines: say so, rather than that line 1 is invalid.
+    (json.loads stops at the end of a JSON Lines file's first row, so this costs little.)"""
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return
+    lines = len(text.strip().splitlines())
+    if isinstance(whole, dict) and lines > 1:
+        raise QLoraError(
+            f"{file}: one JSON object over {lines} lines, not rows; write a JSON list of "
+            "objects, or JSON Lines (one object a line)"
+        )
+
+
 def _json_rows(file: Path) -> Iterator[Row]:
     text = _text(file)
     if _suffix(file.name).removesuffix(GZIP) == ".jsonl" or not text.lstrip().startswith("["):
         # A .json file that is not a list is read as JSON Lines, as `datasets` does.
+        _one_object(file, text)
         yield from json_lines(file, text)
         return
     try:

@@ -20,28 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qlora_cli.core.errors import RunAborted
+from qlora_cli.core.signals import SIGNALS
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def stop_at_once(signum: int, frame) -> None:
-    """The handler outside a training loop: there is nothing to finish, so stop, with a line."""
-    raise RunAborted(f"{signal.Signals(signum).name} received; stopped", signum)
-
-
-def answer_signals() -> None:
-    """Every command answers SIGINT and SIGTERM with a line (qlora_cli/cli.py installs this first)."""
-    for sig in SIGNALS:
-        signal.signal(sig, stop_at_once)
-
-
-def ignore_signals() -> None:
-    """Once a command has its last line to print, a late Ctrl-C must not cut it off or kill the exit."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopSignals:
