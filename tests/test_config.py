@@ -107,6 +107,9 @@ def test_a_key_set_twice_is_refused_naming_both_lines(tmp_path):
     path.write_text("base_model: x\nlora_r: 8\nlora_r: 16\n")
     with pytest.raises(QLoraError, match=r"'lora_r' is set twice \(lines 2 and 3\)"):
         load_config(path)
+    path.write_text("base_model: x\n? [a, b]\n: 1\n")  # a key no mapping can hold: one line too
+    with pytest.raises(QLoraError, match=r"at line 2, column 3: found unhashable key"):
+        load_config(path)
 
 
 def test_missing_file(tmp_path):

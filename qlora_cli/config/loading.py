@@ -67,8 +67,10 @@ class _OnceLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys are meant to be overridden
                 continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):  # the base class refuses keys that cannot be compared
+                continue
             line = key_node.start_mark.line + 1
-            if isinstance(key, str) and key in lines:
+            if key in lines:
                 raise yaml.constructor.ConstructorError(
                     problem=f"{key!r} is set twice (lines {lines[key]} and {line}); keep one",
                     problem_mark=key_node.start_mark,

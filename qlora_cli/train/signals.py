@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from qlora_cli.core.errors import RunAborted
 from qlora_cli.core.signals import SIGNALS
+from qlora_cli.rundir.folder import latest_checkpoint
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -112,8 +113,6 @@ class StopSignals:
             raise RunAborted(self._abandoned(name), signum)
 
     def _abandoned(self, name: str) -> str:
-        from qlora_cli.rundir.folder import latest_checkpoint  # the CLI installs signals before torch loads
-
         last = latest_checkpoint(self.output_dir)
         if last is None:
             kept = "no checkpoint was saved"
