@@ -660,6 +660,8 @@ def test_resume_refuses_a_key_that_changes_the_batch_plan_unless_accepted(tmp_pa
             "steps would skip or repeat rows of this epoch; keep the checkpoint's value, or continue on the "
             f"new batch plan with `qlora {again}`"
         )
+    line = error_line(run_cli("resume", out, "--set", f"output_dir={tmp_path / 'elsewhere'}"))
+    assert line.startswith(f"error: resume trains on in the folder it resumes, {out}, so --set output_dir")
     line = error_line(run_cli("resume", out, "--set", "seed=7", "--set", "micro_batch_size=4"))
     assert "'seed' changed from 3 to 7, 'micro_batch_size' changed from 2 to 4, which" in line
     assert "keep the checkpoint's values" in line

@@ -694,7 +694,13 @@ def resume(
     saved = read_checkpoint_config(checkpoint)
     raw = config_to_dict(saved)
     for text in overrides:
-        apply_override(raw, *parse_override(text))
+        path, value = parse_override(text)
+        if path == ["output_dir"]:
+            raise QLoraError(
+                f"resume trains on in the folder it resumes, {output_dir}, so --set output_dir would be "
+                "ignored; to go on elsewhere, copy the folder and resume the copy"
+            )
+        apply_override(raw, path, value)
     config = config_from_dict(raw)
     # Refused here, before output_dir is claimed; _train checks again and prints the notes.
     check_continues(saved, config, checkpoint)
