@@ -276,7 +276,12 @@ def _trained_rows_first(
         rows, counted = order[start:end], (trained - start).clamp(0, end - start)
         logits = torch._grouped_mm(hidden.index_select(0, rows), weight.T[None], offs=counted)
         _cross_entropy_rows(
-            logits, sorted_labels[start:end], sorted_loss[start:end], ignore_index, needs_grad, True
+            logits,
+            sorted_labels[start:end],
+            sorted_loss[start:end],
+            ignore_index,
+            needs_grad,
+            skip_ignored=True,
         )
         if needs_grad:
             chunk_grad = torch._grouped_mm(logits, weight[None], offs=counted)
