@@ -202,6 +202,30 @@ def test_bad_rows_name_file_and_line(tok, tmp_path, bad_line, type, message):
         load_examples(dataset(path, type), tok, 512)
 
 
+def test_a_key_set_twice_in_a_row_is_refused_naming_file_row_and_key(tok, tmp_path):
+    """json keeps the last of two equal keys without a word: the earlier value would not train."""
+    good = '{"instruction": "a", "output": "b"}'
+    lines = write_jsonl(
+        tmp_path / "twice.jsonl", [good, "", '{"instruction": "a", "output": "x", "output": "y"}']
+    )
+    with pytest.raises(
+        QLoraError, match=r"twice\.jsonl:3: key 'output' is set twice in one object; keep one$"
+    ):
+        load_examples(dataset(lines, "alpaca"), tok, 512)
+    chat = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    nested = json.dumps(chat).replace('"content": "b"', '"content": "b", "content": "c"')
+    lines = write_jsonl(tmp_path / "chat.jsonl", [chat, nested])
+    with pytest.raises(QLoraError, match=r"chat\.jsonl:2: key 'content' is set twice in one object"):
+        load_examples(dataset(lines), tok, 512)
+    items = tmp_path / "rows.json"
+    items.write_text("[\n" + ",\n".join([json.dumps(chat), json.dumps(chat), nested]) + "\n]\n")
+    with pytest.raises(QLoraError, match=r"rows\.json: item 2: key 'content' is set twice in one object"):
+        load_examples(dataset(items), tok, 512)
+    items.write_text('[{"text": "a", "text": "b"}, {"text": "c"}]')
+    with pytest.raises(QLoraError, match=r"rows\.json: item 0: key 'text' is set twice in one object"):
+        load_examples(dataset(items, "text"), tok, 512)
+
+
 def test_json_list_items_and_missing_or_empty_sources(tok, tmp_path):
     items = tmp_path / "rows.json"
     items.write_text(json.dumps([{"text": "a"}, {"txt": "b"}]))

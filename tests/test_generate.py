@@ -553,6 +553,8 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
     listed.write_text("[1]\n")
     surrogate = tmp_path / "surrogate.jsonl"
     surrogate.write_text('{"messages": [{"role": "user", "content": "ok \\ud800"}]}\n')
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"messages": [{"role": "user", "content": "a", "role": "system"}]}\n')
     for args, message in [
         # A byte that is not UTF-8 in an argument reaches Python as a surrogate (surrogateescape).
         (["--prompt", "caf\udce9"], "--prompt 1: the prompt is not UTF-8 text (byte 0xe9 at character 4)"),
@@ -563,6 +565,7 @@ def test_bad_prompts_and_options(run, tmp_path, run_cli):
         (["--prompts", no_field], f"{no_field}:2: the row has neither 'prompt' nor 'messages'"),
         (["--prompts", not_json], f"{not_json}:3: not valid JSON (Expecting property name"),
         (["--prompts", listed], f"{listed}:1: expected a JSON object, got"),
+        (["--prompts", twice], f"{twice}:1: key 'role' is set twice in one object; keep one"),
         (["--prompts", tmp_path / "absent.jsonl"], "does not exist"),
         (["--prompt", long_prompt, "--raw"], "more than the model's context"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature must be 0"),

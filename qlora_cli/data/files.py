@@ -19,7 +19,15 @@ from pathlib import Path, PurePosixPath
 
 from qlora_cli.core.errors import QLoraError
 from qlora_cli.core.files import sha256_file
-from qlora_cli.core.jsonl import Row, json_error, json_lines, json_type
+from qlora_cli.core.jsonl import (
+    RepeatedKey,
+    Row,
+    json_error,
+    json_lines,
+    json_type,
+    repeated_key,
+    unique_keys,
+)
 from qlora_cli.core.wording import count
 from qlora_cli.sources.dataset_files import DATA_SUFFIXES, FORMATS, GZIP
 
@@ -37,6 +45,8 @@ SPLIT_KEYWORDS = {
 # Parquet conversions and pushed datasets name shards `<split>-00000-of-00003.<suffix>`.
 _SHARD_NAME = re.compile(r"(?P<split>[\w.]+?)-\d{5}-of-\d{5}(?:-.*)?")
 _SLICE = re.compile(r"^(?P<name>[\w.-]+)(?:\[(?P<start>[^:\]]*)(?::(?P<stop>[^\]]*))?\])?$")
+# What separates the items of a JSON list: whitespace and one comma.
+_BETWEEN_ITEMS = re.compile(r"\s*,?\s*")
 
 
 @dataclass(frozen=True)
@@ -309,14 +319,34 @@ def _json_rows(file: Path) -> Iterator[Row]:
         yield from json_lines(file, text)
         return
     try:
-        items = json.loads(text)
+        items = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as error:
         raise QLoraError(f"{file}:{error.lineno}: {json_error(error)}") from None
+    except RepeatedKey as error:
+        raise repeated_key(_item(file, _item_with_repeated_key(text)), error) from None
     for index, row in enumerate(items):
-        where = f"{file}: item {index}"
+        where = _item(file, index)
         if not isinstance(row, dict):
             raise QLoraError(f"{where}: expected a JSON object, got {json_type(row)}")
         yield where, row
+
+
+def _item(file: Path, index: int) -> str:
+    return f"{file}: item {index}"
+
+
+def _item_with_repeated_key(text: str) -> int:
+    """The index of the JSON list's item that sets a key twice. json.loads cannot say where its hook
+    refused, so the list is read again an item at a time, on this error path only."""
+    decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
+    position, index = text.index("[") + 1, 0
+    while True:
+        position = _BETWEEN_ITEMS.match(text, position).end()
+        try:
+            _, position = decoder.raw_decode(text, position)
+        except RepeatedKey:
+            return index
+        index += 1
 
 
 def _table(file: Path, file_format: str):
