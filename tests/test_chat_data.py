@@ -105,6 +105,24 @@ def test_tool_turns_under_other_names_render_as_tool(tok, tmp_path):
         assert "<|im_start|>tool\n42<|im_end|>" in tok.decode(example.input_ids)
 
 
+def test_a_null_content_is_no_text_in_an_assistant_turn_that_calls_tools(tok, tmp_path):
+    """OpenAI's format writes a tool call's content as null; elsewhere null is refused (test_data)."""
+    qwen_25 = choose_template(tok, "qwen_25", None)
+    call = [{"function": {"name": "w", "arguments": {"c": "Lima"}}}]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    example = only(load(qwen_25, tmp_path, [{"messages": messages}]))
+    trained = tok.decode([label for label in example.labels if label != MASK])
+    assert (
+        trained
+        == '<tool_call>\n{"name": "w", "arguments": {"c": "Lima"}}\n</tool_call><|im_end|>Sunny.<|im_end|>'
+    )
+
+
 def test_a_role_no_template_knows_stops_naming_the_role_file_and_row(tok, tmp_path):
     rows = [{"conversations": SHAREGPT}, {"conversations": _renamed(SHAREGPT, {"gpt": "narrator"})}]
     with pytest.raises(

@@ -184,6 +184,17 @@ def test_chat_template_that_rewrites_history_is_refused(tmp_path):
             r"bad\.jsonl:3: message 0: missing field 'content'",
         ),
         (
+            '{"messages": [{"role": "user", "content": null}, {"role": "assistant", "content": "x"}]}',
+            "chat_template",
+            r"bad\.jsonl:3: message 0: field 'content' must be a string, got null \(null only in an "
+            r"assistant turn with tool_calls\)$",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null}]}',
+            "chat_template",
+            r"bad\.jsonl:3: message 1: field 'content' must be a string, got null",
+        ),
+        (
             '{"instruction": "bad \\ud800", "output": "x"}',
             "alpaca",
             r"bad\.jsonl:3: the row is not UTF-8 text \(lone surrogate U\+D800 at character \d+\)",

@@ -196,6 +196,21 @@ def _template_role(role: str, roles: dict[str, str], spec: DatasetConfig, at: st
     return target
 
 
+def _check_content(message: dict, field: str, at: str) -> None:
+    """A message's content is text. Null only where OpenAI's format writes it, in an assistant turn that
+    makes tool calls, which templates render as no text; any other null would reach the template, which
+    fails on it or renders an empty turn that trains."""
+    content = message["content"]
+    if isinstance(content, str):
+        return
+    if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+        return
+    only_with_tool_calls = " (null only in an assistant turn with tool_calls)" if content is None else ""
+    raise QLoraError(
+        f"{at}: field {field!r} must be a string, got {json_type(content)}{only_with_tool_calls}"
+    )
+
+
 def chat_messages(row: dict, where: str, spec: DatasetConfig) -> list[dict]:
     """The row's messages with template roles and the keys templates read (role, content, ...)."""
     field = spec.field_messages
@@ -219,14 +234,12 @@ def chat_messages(row: dict, where: str, spec: DatasetConfig) -> list[dict]:
         role = string_field(message, fields["role"], at)
         if fields["content"] not in message:
             raise QLoraError(f"{at}: missing field {fields['content']!r}")
-        content = message[fields["content"]]
-        if content is not None and not isinstance(content, str):
-            raise QLoraError(f"{at}: field {fields['content']!r} must be a string, got {json_type(content)}")
         converted: dict[str, Any] = {k: v for k, v in message.items() if k not in mapped_sources}
         for key, source in fields.items():
             if key not in ("role", "content") and source in message:
                 converted[key] = message[source]
-        converted.update(role=_template_role(role, roles, spec, at), content=content)
+        converted.update(role=_template_role(role, roles, spec, at), content=message[fields["content"]])
+        _check_content(converted, fields["content"], at)
         if spec.drop_system_message and converted["role"] == "system":
             continue
         messages.append(converted)
