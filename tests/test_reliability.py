@@ -47,6 +47,7 @@ from qlora_cli.rundir.names import LOCK_FILE, RUN_FILE
 from qlora_cli.rundir.trainer_state import TrainerState, read_trainer_state
 from qlora_cli.sources.fingerprint import base_fingerprint, config_difference
 from qlora_cli.sources.model_config import read_spec
+from qlora_cli.train import loop as train_loop
 from qlora_cli.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("reference_ops")
@@ -931,6 +932,29 @@ def test_a_signal_before_the_first_step_stops_at_once_with_a_line(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM received before the first step; nothing was saved" in _last_line(err)
+
+
+def test_a_signal_before_a_resumes_first_step_names_the_checkpoints_it_keeps(tmp_path, run_cli, monkeypatch):
+    """A fresh run has nothing saved before its first step (above); a resumed one keeps its checkpoints."""
+    config = write_run(tmp_path / "run", max_steps=2, save_steps=1)
+    assert run_cli("train", config)[0] == 0
+    out = tmp_path / "run" / "out"
+    before = {p: p.read_bytes() for p in out.glob("checkpoint-*/*") if p.is_file()}
+    real_build_run = train_loop.build_run
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return real_build_run(*args, **kwargs)
+
+    monkeypatch.setattr(train_loop, "build_run", interrupted)
+    code, _, err = run_cli("resume", out, "--set", "max_steps=4")
+    assert code == 128 + signal.SIGINT, err
+    assert _last_line(err) == (
+        "interrupted: SIGINT received before the first step; no new checkpoint was written, and the earlier "
+        f"ones are kept: the last complete checkpoint is {out / 'checkpoint-2'}; continue with "
+        f"`qlora resume {out}`"
+    )
+    assert {p: p.read_bytes() for p in out.glob("checkpoint-*/*") if p.is_file()} == before
 
 
 def test_a_ctrl_c_while_the_command_starts_up_stops_with_a_line(tmp_path):

@@ -1,11 +1,12 @@
 """Ctrl-C and SIGTERM during a run: counted, answered, and never silent.
 
-Before the first step there is nothing worth saving, so the first signal stops the run at once. From
-the first step on, the first signal lets the step finish and a checkpoint be saved, and the run stops
-right after that save (one that comes during a save stops the run after it, with no further step); the
-second says the save is being finished and asks for patience; the third abandons the run and names the
-last complete checkpoint. Every one of these ends with a line, and no signal ever interrupts a
-checkpoint halfway into a state that resume would pick (qlora_cli/rundir/checkpoint.py).
+Before the first step there is nothing new worth saving, so the first signal stops the run at once,
+saying which checkpoints a resumed run keeps. From the first step on, the first signal lets the step
+finish and a checkpoint be saved, and the run stops right after that save (one that comes during a save
+stops the run after it, with no further step); the second says the save is being finished and asks for
+patience; the third abandons the run and names the last complete checkpoint. Every one of these ends
+with a line, and no signal ever interrupts a checkpoint halfway into a state that resume would pick
+(qlora_cli/rundir/checkpoint.py).
 
 Python runs a handler once for any number of signals that arrive while the main thread is busy in C
 (a tensor write, an fsync), so the signals are counted from the wakeup pipe instead, which the
@@ -91,7 +92,7 @@ class StopSignals:
         self.count += 1
         name = signal.Signals(signum).name
         if self.step is None:
-            raise RunAborted(f"{name} received before the first step; nothing was saved", signum)
+            raise RunAborted(f"{name} received before the first step; {self._unsaved()}", signum)
         doing, unsaved = {
             "step": (f"finishing step {self.step} and saving a checkpoint", " without saving"),
             "saving": (f"finishing the checkpoint of step {self.step}", " without saving"),
@@ -112,15 +113,25 @@ class StopSignals:
         elif self.count == 3:
             raise RunAborted(self._abandoned(name), signum)
 
-    def _abandoned(self, name: str) -> str:
+    def _last_kept(self) -> str | None:
+        """The run's last complete checkpoint and how to continue from it; None when it has none."""
         last = latest_checkpoint(self.output_dir)
         if last is None:
-            kept = "no checkpoint was saved"
-        else:
-            kept = (
-                f"the last complete checkpoint is {last}; continue with "
-                f"`qlora resume {self.output_dir}{self.resume_option}`"
-            )
+            return None
+        return (
+            f"the last complete checkpoint is {last}; continue with "
+            f"`qlora resume {self.output_dir}{self.resume_option}`"
+        )
+
+    def _unsaved(self) -> str:
+        """What a stop before the first step leaves: a resumed run's folder still holds its checkpoints."""
+        kept = self._last_kept()
+        if kept is None:
+            return "nothing was saved"
+        return f"no new checkpoint was written, and the earlier ones are kept: {kept}"
+
+    def _abandoned(self, name: str) -> str:
+        kept = self._last_kept() or "no checkpoint was saved"
         during = {
             "step": f"during step {self.step} without saving it",
             "saving": f"while saving the checkpoint of step {self.step} without saving it",
