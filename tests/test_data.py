@@ -237,6 +237,23 @@ def test_a_key_set_twice_in_a_row_is_refused_naming_file_row_and_key(tok, tmp_pa
         load_examples(dataset(items, "text"), tok, 512)
 
 
+def test_a_column_named_twice_is_refused_naming_file_and_column(tok, tmp_path):
+    """A row from a CSV header or an Arrow schema with a column named twice keeps the last column."""
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    csv = tmp_path / "twice.csv"
+    csv.write_text("instruction,output,output\na,x,y\n")
+    with pytest.raises(QLoraError, match=r"twice\.csv: column 'output' appears twice; keep one$"):
+        load_examples(dataset(csv, "alpaca"), tok, 512)
+    arrow = tmp_path / "twice.arrow"
+    table = pa.table([["a"], ["x"], ["y"]], names=["instruction", "output", "output"])
+    with pa.OSFile(str(arrow), "wb") as sink, pyarrow.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(QLoraError, match=r"twice\.arrow: column 'output' appears twice; keep one$"):
+        load_examples(dataset(arrow, "alpaca"), tok, 512)
+
+
 def test_json_list_items_and_missing_or_empty_sources(tok, tmp_path):
     items = tmp_path / "rows.json"
     items.write_text(json.dumps([{"text": "a"}, {"txt": "b"}]))

@@ -402,8 +402,20 @@ def read_rows(file: Path, file_format: str | None = None) -> Iterator[Row]:
     if file_format == "json":
         yield from _json_rows(file)
         return
-    for index, row in enumerate(_table(file, file_format).to_pylist()):
+    table = _table(file, file_format)
+    _refuse_repeated_columns(file, table.column_names)
+    for index, row in enumerate(table.to_pylist()):
         yield f"{file}: row {index}", row
+
+
+def _refuse_repeated_columns(file: Path, names: list[str]) -> None:
+    """A CSV header or an Arrow schema may name a column twice, and a row read from it keeps the last
+    column's value without a word, as json does a key set twice (core/jsonl.py's unique_keys)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise QLoraError(f"{file}: column {name!r} appears twice; keep one")
+        seen.add(name)
 
 
 def read_split(
