@@ -31,16 +31,22 @@ class RepeatedKey(Exception):
         self.key = key
 
 
+def first_repeated(names: list[str]) -> str | None:
+    """The first name that comes twice in `names`, or None."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     """json's object_pairs_hook: json keeps the last of two equal keys without a word, so a row with a key
     set twice (an edit that missed the first) would train on one of its values silently."""
     row = dict(pairs)
     if len(row) < len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise RepeatedKey(key)
-            seen.add(key)
+        raise RepeatedKey(first_repeated([key for key, _ in pairs]))
     return row
 
 

@@ -22,6 +22,7 @@ from qlora_cli.core.files import sha256_file
 from qlora_cli.core.jsonl import (
     RepeatedKey,
     Row,
+    first_repeated,
     json_error,
     json_lines,
     json_type,
@@ -411,11 +412,9 @@ def read_rows(file: Path, file_format: str | None = None) -> Iterator[Row]:
 def _refuse_repeated_columns(file: Path, names: list[str]) -> None:
     """A CSV header or an Arrow schema may name a column twice, and a row read from it keeps the last
     column's value without a word, as json does a key set twice (core/jsonl.py's unique_keys)."""
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise QLoraError(f"{file}: column {name!r} appears twice; keep one")
-        seen.add(name)
+    name = first_repeated(names)
+    if name is not None:
+        raise QLoraError(f"{file}: column {name!r} appears twice; keep one")
 
 
 def read_split(
