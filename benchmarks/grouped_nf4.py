@@ -15,12 +15,9 @@ TFLOP/s counts 2 x rows x in x out per projection. `--before FILE` also times an
 kernel module (`git show REV:kernels/grouped_linear.py > FILE`) on the same experts, quantized by that
 copy, so that a change's before and after come from one call. Each `--variant` also times our NF4
 kernel with launch settings replaced: rows of one expert a program (`rows`), output columns (`cols`),
-inner step (`inner`), `warps`, `stages`, whether NF4 codes are picked from the 16 values (tl.gather)
-or each load its own (`gather=1/0`), and whether the decoded weight is the product's first operand
-(`weight_first=1/0`, at its own 64 weight rows a program, or `weight_first_cols`)
-(kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K, _NF4_WARPS, _NF4_STAGES,
-_NF4_GATHER_CODES, _NF4_WEIGHT_FIRST, _NF4_WEIGHT_FIRST_COLS; NF4 tiles stay whole quantization
-blocks wide).
+inner step (`inner`), `warps`, `stages` and whether NF4 codes are picked from the 16 values (tl.gather)
+or each load its own (`gather=1/0`) (kernels/grouped_linear.py's _NF4_ROWS, _BLOCK_N, _BLOCK_K,
+_NF4_WARPS, _NF4_STAGES, _NF4_GATHER_CODES; NF4 tiles stay whole quantization blocks wide).
 """
 
 from __future__ import annotations
@@ -52,8 +49,6 @@ VARIANT_KEYS = {
     "warps": lambda warps: {(grouped_module, "_NF4_WARPS"): warps},
     "stages": lambda stages: {(grouped_module, "_NF4_STAGES"): stages},
     "gather": lambda gather: {(grouped_module, "_NF4_GATHER_CODES"): bool(gather)},
-    "weight_first": lambda first: {(grouped_module, "_NF4_WEIGHT_FIRST"): bool(first)},
-    "weight_first_cols": lambda cols: {(grouped_module, "_NF4_WEIGHT_FIRST_COLS"): cols},
 }
 
 

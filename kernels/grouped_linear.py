@@ -305,16 +305,12 @@ if TRITON_AVAILABLE:
         WHOLE_BLOCKS: tl.constexpr,
         GATHER_CODES: tl.constexpr,
         ACCUMULATE: tl.constexpr,
-        WEIGHT_FIRST: tl.constexpr,
     ):
         """One program: BLOCK_M rows of one expert times BLOCK_N output columns. Its expert is the
         last whose first row tile (tile_starts, exclusive sums of each expert's tiles) is at or
         before the program's; programs past the last tile zero the rows no expert covers (unless
         ACCUMULATE) and return. out = a W_e^T, or with TRANSPOSED (backward's dx = dy W_e) a W_e;
-        ACCUMULATE adds it to what out holds. WEIGHT_FIRST multiplies out^T = W_e a^T instead: the
-        decoded weight tile is the product's first operand, which the tensor cores read from
-        registers, so it never goes through shared memory and the product runs beside the next
-        tile's decode (see _NF4_WEIGHT_FIRST)."""
+        ACCUMULATE adds it to what out holds."""
         tile = tl.program_id(0)
         experts = tl.arange(0, BLOCK_E)
         starts = tl.load(tile_starts_ptr + experts, mask=experts < n_experts, other=2**30)
@@ -345,10 +341,7 @@ if TRITON_AVAILABLE:
         offset = 0.0
         if QUANTIZED:
             offset = tl.load(offset_table_ptr + expert)
-        if WEIGHT_FIRST:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k_start in range(0, inner, BLOCK_K):
             ks = k_start + tl.arange(0, BLOCK_K)
             a = tl.load(
@@ -378,10 +371,7 @@ if TRITON_AVAILABLE:
                     WHOLE_BLOCKS,
                     GATHER_CODES,
                 )
-                if WEIGHT_FIRST:
-                    acc += tl.dot(tl.trans(w), tl.trans(a))
-                else:
-                    acc += tl.dot(a, w)
+                acc += tl.dot(a, w)
             else:
                 w = _expert_tile(
                     weight_ptr,
@@ -404,12 +394,7 @@ if TRITON_AVAILABLE:
                     WHOLE_BLOCKS,
                     GATHER_CODES,
                 )
-                if WEIGHT_FIRST:
-                    acc += tl.dot(w, tl.trans(a))
-                else:
-                    acc += tl.dot(a, tl.trans(w))
-        if WEIGHT_FIRST:
-            acc = tl.trans(acc)
+                acc += tl.dot(a, tl.trans(w))
         mask = row_mask[:, None] & (cols < out_cols)[None, :]
         out_at = out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
         if ACCUMULATE:
@@ -444,16 +429,6 @@ _BLOCK_K = 64
 _PLAIN_ROWS, _PLAIN_WARPS, _PLAIN_STAGES = 64, 8, 2
 _NF4_ROWS, _NF4_WARPS, _NF4_STAGES = 128, 4, 3
 _NF4_GATHER_CODES = True
-# With the weight second (a W^T), each step decodes the NF4 tile, stores it to shared memory for the
-# wgmma and waits for that wgmma before the next decode (sm_90 TTGIR: warp_group_dot_wait pendings 0,
-# triton 3.6): decode and product take turns, 255 registers with spills at 128 columns. With the
-# weight first (W a^T, WEIGHT_FIRST) the decoded tile is the wgmma's register operand: no shared
-# memory store, the waits allow three wgmmas in flight across the next decode, and at 64 weight rows
-# (one warpgroup's wgmma M) 167 registers without spills, three blocks an SM
-# (benchmarks.kernel_resources, 2026-12-06). Not yet timed on the GPU: off until
-# benchmarks.grouped_nf4 --variant weight_first=1 shows it faster.
-_NF4_WEIGHT_FIRST = False
-_NF4_WEIGHT_FIRST_COLS = 64
 
 
 def _grouped_matmul(
@@ -472,8 +447,7 @@ def _grouped_matmul(
     experts, w_out, w_in = _shape(weight)
     inner, out_cols = (w_out, w_in) if transposed else (w_in, w_out)
     quantized = isinstance(weight, GroupedNF4Weight)
-    weight_first = quantized and _NF4_WEIGHT_FIRST
-    block_n, block_k = (_NF4_WEIGHT_FIRST_COLS if weight_first else _BLOCK_N), _BLOCK_K
+    block_n, block_k = _BLOCK_N, _BLOCK_K
     if quantized:
         tensors = (
             weight.packed,
@@ -537,7 +511,6 @@ def _grouped_matmul(
         WHOLE_BLOCKS=whole_blocks,
         GATHER_CODES=_NF4_GATHER_CODES,
         ACCUMULATE=accumulate,
-        WEIGHT_FIRST=weight_first,
         num_warps=warps,
         num_stages=stages,
     )

@@ -5,7 +5,6 @@ quantization) and plain ones, at uneven and empty experts; and on the GPU in bf1
 import pytest
 import torch
 
-import qlora_kernels.grouped_linear as grouped_module
 from qlora_kernels.formats import DENSE, NF4
 from qlora_kernels.grouped_linear import (
     GroupedLinearFunction,
@@ -86,19 +85,11 @@ WEIGHTS = {
 }
 
 
-# The NF4 products with the weight second (a W^T, shipped) and first (out^T = W a^T, timed as a variant).
-WEIGHT_ORDERS = [False, True]
-
-
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("form", sorted(WEIGHTS))
-@pytest.mark.parametrize("weight_first", WEIGHT_ORDERS, ids=["weight second", "weight first"])
-def test_grouped_gemm_matches_each_rows_expert_forward_and_backward(routing, form, weight_first, monkeypatch):
+def test_grouped_gemm_matches_each_rows_expert_forward_and_backward(routing, form):
     """Checked against the product with each row's own expert (not the reference's loop), so a row
     dropped, given to the wrong expert or counted twice fails it."""
-    if weight_first and form == "dense":
-        pytest.skip("the weight-first order is NF4's")
-    monkeypatch.setattr(grouped_module, "_NF4_WEIGHT_FIRST", weight_first)
     store, out_features, in_features = WEIGHTS[form]
     weight = store(_weights(len(routing), out_features, in_features))
     offsets = _offsets(routing)
@@ -120,24 +111,12 @@ def test_grouped_gemm_matches_each_rows_expert_forward_and_backward(routing, for
     torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("form", "weight_first"),
-    [
-        ("nf4", False),
-        ("nf4", True),
-        ("nf4 partial blocks", False),
-        ("nf4 partial blocks", True),
-        ("dense", False),
-    ],
-)
-def test_a_pair_is_the_two_products_side_by_side_and_sums_their_input_gradients(
-    form, weight_first, monkeypatch
-):
+@pytest.mark.parametrize("form", ["nf4", "nf4 partial blocks", "dense"])
+def test_a_pair_is_the_two_products_side_by_side_and_sums_their_input_gradients(form):
     """A MoE's gate and up: [x W_first^T | x W_second^T] of each row's own experts (out 136 and 72, so
     the second half starts mid-tile of the first's columns), and dx the sum of both products' input
     gradients, read from dy's strided halves. A second product that overwrote the first's dx, or a
     half written at the other's columns, fails it."""
-    monkeypatch.setattr(grouped_module, "_NF4_WEIGHT_FIRST", weight_first)
     store, out_features, in_features = WEIGHTS[form]
     routing = ROUTINGS[0]
     first = store(_weights(len(routing), out_features, in_features, seed=5))
@@ -222,16 +201,11 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", [[300, 0, 17, 1000, 64], [0, 0, 0, 1]])
-@pytest.mark.parametrize(
-    ("quantized", "weight_first"),
-    [(True, False), (True, True), (False, False)],
-    ids=["nf4", "nf4 weight first", "bf16"],
-)
-def test_gpu_bf16_grouped_gemm_against_fp32(routing, quantized, weight_first, monkeypatch):
+@pytest.mark.parametrize("quantized", [True, False], ids=["nf4", "bf16"])
+def test_gpu_bf16_grouped_gemm_against_fp32(routing, quantized):
     """bf16 inputs, fp32 accumulation, bf16 output, against fp32 products with the same weights.
     Outputs are sums of 2048 (forward) or 768 (backward) products of unit inputs and ~0.05 weights,
     about 2 in size; the bf16 output rounds to 2^-8 of that (bf16's unit roundoff), about 1e-2."""
-    monkeypatch.setattr(grouped_module, "_NF4_WEIGHT_FIRST", weight_first)
     weights = _weights(len(routing), 768, 2048, seed=3).cuda().bfloat16()
     weight = quantize_grouped_nf4(weights) if quantized else weights
     offsets = _offsets(routing).cuda()
@@ -273,10 +247,8 @@ def test_gpu_bf16_pair_against_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weight_first", WEIGHT_ORDERS, ids=["weight second", "weight first"])
-def test_gpu_grouped_gemm_is_captured_in_a_cuda_graph(weight_first, monkeypatch):
+def test_gpu_grouped_gemm_is_captured_in_a_cuda_graph():
     """No host sync reads the routing: the forward and backward replay in a graph with new offsets."""
-    monkeypatch.setattr(grouped_module, "_NF4_WEIGHT_FIRST", weight_first)
     weight = quantize_grouped_nf4(_weights(4, 256, 512, seed=5).cuda().bfloat16())
     x = torch.randn(96, 512, device="cuda").bfloat16().requires_grad_()
     offsets = _offsets([10, 0, 50, 36]).cuda()
