@@ -14,6 +14,12 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return unit_last_stride(t.reshape(-1, t.shape[-1]))
 
 
+def as_head_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., heads, n] as [tokens, heads, n] with a unit stride along n: a view wherever the leading
+    dims merge, as for a gate sliced out of a wider projection's output (no copy of it is kept)."""
+    return unit_last_stride(t.reshape(-1, *t.shape[-2:]))
+
+
 def document_index(doc_ids: torch.Tensor) -> torch.Tensor:
     """int32 [B, T], counting documents from 0 along each row: a new one starts where doc_ids changes.
 

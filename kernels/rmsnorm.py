@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_kernels._dispatch import TRITON_AVAILABLE, multiprocessors, use_triton
-from qlora_kernels._layout import as_rows
+from qlora_kernels._layout import as_head_rows, as_rows
 
 if TRITON_AVAILABLE:
     import triton
@@ -74,7 +74,9 @@ if TRITON_AVAILABLE:
         rstd_ptr,
         x_row_stride,
         residual_row_stride,
-        gate_row_stride,
+        gate_token_stride,
+        gate_head_stride,
+        gate_heads,
         n_rows,
         n_cols,
         eps,
@@ -104,7 +106,8 @@ if TRITON_AVAILABLE:
         weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + weight_offset
         y = (x * rstd[:, None]) * weight[None, :]
         if HAS_GATE:
-            gate = tl.load(gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0)
+            gate_rows = (rows // gate_heads) * gate_token_stride + (rows % gate_heads) * gate_head_stride
+            gate = tl.load(gate_ptr + gate_rows[:, None] + cols[None, :], mask=mask, other=0.0)
             gate = gate.to(tl.float32)
             y = y * (gate * tl.sigmoid(gate))
         tl.store(y_ptr + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -122,7 +125,9 @@ if TRITON_AVAILABLE:
         dweight_partial_ptr,
         dy_row_stride,
         dsummed_row_stride,
-        gate_row_stride,
+        gate_token_stride,
+        gate_head_stride,
+        gate_heads,
         n_rows,
         n_cols,
         weight_offset,
@@ -151,9 +156,9 @@ if TRITON_AVAILABLE:
             rstd = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
             x_hat = x * rstd[:, None]
             if HAS_GATE:
-                gate = tl.load(
-                    gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0
-                ).to(tl.float32)
+                gate_rows = (rows // gate_heads) * gate_token_stride + (rows % gate_heads) * gate_head_stride
+                gate = tl.load(gate_ptr + gate_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+                gate = gate.to(tl.float32)
                 sigmoid = tl.sigmoid(gate)
                 dgate = dy * x_hat * weight[None, :] * sigmoid * (1.0 + gate * (1.0 - sigmoid))
                 tl.store(dgate_ptr + tile, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
@@ -220,11 +225,11 @@ def _rms_norm_forward(
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,
-    gate2d: torch.Tensor | None = None,
+    gate3d: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, summed, rstd) as 2-D rows; summed is x itself when there is no residual.
 
-    gate2d (rows of x's shape, from as_rows) multiplies the output by silu(gate).
+    gate3d ([tokens, heads, n] of x's shape, from as_head_rows) multiplies the output by silu(gate).
     """
     _check(x, residual, weight)
     x2d = as_rows(x)
@@ -234,29 +239,39 @@ def _rms_norm_forward(
     summed = torch.empty_like(y) if residual is not None else x2d
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block, rows, num_warps = _tile(n_cols)
-    gate2d_or_x = gate2d if gate2d is not None else x2d
+    gate, gate_token_stride, gate_head_stride, gate_heads = _gate_rows(gate3d, x2d)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x2d,
         residual2d,
-        gate2d_or_x,
+        gate,
         weight,
         y,
         summed,
         rstd,
         x2d.stride(0),
         residual2d.stride(0),
-        gate2d_or_x.stride(0),
+        gate_token_stride,
+        gate_head_stride,
+        gate_heads,
         n_rows,
         n_cols,
         eps,
         weight_offset,
         HAS_RESIDUAL=residual is not None,
-        HAS_GATE=gate2d is not None,
+        HAS_GATE=gate3d is not None,
         ROWS=rows,
         BLOCK=block,
         num_warps=num_warps,
     )
     return y, summed, rstd
+
+
+def _gate_rows(gate3d: torch.Tensor | None, rows2d: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """The gate's tensor, token and head strides and heads a token; without a gate, rows2d's rows
+    (never read)."""
+    if gate3d is None:
+        return rows2d, rows2d.stride(0), 0, 1
+    return gate3d, gate3d.stride(0), gate3d.stride(1), gate3d.shape[1]
 
 
 def _backward_programs(n_rows: int, device: torch.device) -> int:
@@ -271,7 +286,7 @@ def _rms_norm_backward(
     rstd: torch.Tensor,
     weight_offset: float,
     compute_dweight: bool,
-    gate2d: torch.Tensor | None = None,
+    gate3d: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """dx (2-D, includes the gradient arriving through `summed`), dW (None unless asked) and
     dgate (2-D; None without a gate)."""
@@ -281,8 +296,8 @@ def _rms_norm_backward(
     dy2d = as_rows(dy)
     dsummed2d = as_rows(dsummed) if dsummed is not None else dy2d
     dx = torch.empty_like(summed2d)
-    dgate = torch.empty_like(summed2d) if gate2d is not None else None
-    gate2d_or_x = gate2d if gate2d is not None else summed2d
+    dgate = torch.empty_like(summed2d) if gate3d is not None else None
+    gate, gate_token_stride, gate_head_stride, gate_heads = _gate_rows(gate3d, summed2d)
     block, rows, num_warps = _tile(n_cols)
     # A power of two, so the row-loop bound is a compile-time constant with few distinct values.
     rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, _backward_programs(n_rows, dy.device)))
@@ -295,7 +310,7 @@ def _rms_norm_backward(
         dy2d,
         dsummed2d,
         summed2d,
-        gate2d_or_x,
+        gate,
         weight,
         rstd,
         dx,
@@ -303,12 +318,14 @@ def _rms_norm_backward(
         dweight_partial,
         dy2d.stride(0),
         dsummed2d.stride(0),
-        gate2d_or_x.stride(0),
+        gate_token_stride,
+        gate_head_stride,
+        gate_heads,
         n_rows,
         n_cols,
         weight_offset,
         HAS_DSUMMED=dsummed is not None,
-        HAS_GATE=gate2d is not None,
+        HAS_GATE=gate3d is not None,
         COMPUTE_DWEIGHT=compute_dweight,
         ROWS_PER_PROGRAM=rows_per_program,
         ROWS=rows,
@@ -364,16 +381,16 @@ class AddRMSNormFunction(torch.autograd.Function):
 class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        gate2d = as_rows(gate)
-        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, 0.0, gate2d)
-        ctx.save_for_backward(x2d, gate2d, weight, rstd)
+        gate3d = as_head_rows(gate)
+        y, x2d, rstd = _rms_norm_forward(x, None, weight, eps, 0.0, gate3d)
+        ctx.save_for_backward(x2d, gate3d, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2d, gate2d, weight, rstd = ctx.saved_tensors
+        x2d, gate3d, weight, rstd = ctx.saved_tensors
         dx, dweight, dgate = _rms_norm_backward(
-            dy, None, x2d, weight, rstd, 0.0, ctx.needs_input_grad[2], gate2d
+            dy, None, x2d, weight, rstd, 0.0, ctx.needs_input_grad[2], gate3d
         )
         return dx.view(dy.shape), dgate.view(dy.shape), dweight, None
 

@@ -234,6 +234,32 @@ def test_gated_rms_norm_matches_reference(layout, hidden, weight_grad):
     _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
 
 
+def test_gated_rms_norm_reads_a_gate_sliced_from_a_projection_in_place():
+    """The Gated DeltaNet's gate is z, columns of in_proj's output in rows of heads: the norm reads it
+    by its token and head strides and keeps it as it is, not a copy per head (the planner counts it
+    once, with in_proj's output)."""
+    generator = torch.Generator().manual_seed(5)
+    batch, seq, heads, head_dim = 2, 5, 3, 16
+    projected = torch.randn(batch, seq, 2 * heads * head_dim + 7, generator=generator, requires_grad=True)
+    gate = projected[..., heads * head_dim + 3 : 2 * heads * head_dim + 3].reshape(batch, seq, heads, head_dim)
+    x = torch.randn(batch, seq, heads, head_dim, generator=generator, requires_grad=True)
+    weight = _weight(head_dim, True, generator)
+    dy = torch.randn(x.shape, generator=generator)
+    leaves = [x, projected, weight]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
+    ref_out, ref_grads = _outputs_and_grads(
+        lambda: gated_rms_norm_reference(x, gate, weight, EPS), leaves, (dy,)
+    )
+    assert out[0].grad_fn.name().startswith(GatedRMSNormFunction.__name__)
+    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+    inputs = {t.untyped_storage().data_ptr() for t in (x, projected, weight)}
+    copies = [t.shape for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert copies == [(batch * seq * heads,)]  # the fp32 inverse RMS a row, nothing else
+
+
 def test_gated_rms_norm_refuses_a_gate_of_another_shape():
     x = torch.randn(2, 3, 16)
     with pytest.raises(ValueError, match="gate must match x"):

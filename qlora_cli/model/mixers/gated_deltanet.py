@@ -177,13 +177,13 @@ class GatedDeltaNet(nn.Module):
         linear = spec.linear_attention
         shapes = spec.projection_shapes(LINEAR_ATTENTION)
         return (
-            # in_proj's output [qkv | z | b | a]: the conv keeps its qkv, the gated norm its z
+            # in_proj's output [qkv | z | b | a]: the conv keeps its qkv, the gated norm its z (in
+            # place: kernels.rmsnorm reads a gate's rows of heads by their strides)
             sum(shapes[name][0] for name in GatedDeltaNet.groups["in_proj"])
             + linear.conv_dim  # the conv's output: the delta rule keeps its q, k and v
             + linear.num_value_heads * CHUNK  # and its chunks' T (kernels/delta_rule's solve)
             + 6 * linear.num_value_heads  # the decay g and the fp32 steps that made it, beta
             + linear.value_dim  # the delta rule's output, which the gated norm keeps
-            + linear.value_dim  # z as the gated norm keeps it, a copy in rows of heads
             + linear.value_dim  # the gated norm's output, out_proj's input
         )
 
