@@ -241,7 +241,9 @@ def test_gated_rms_norm_reads_a_gate_sliced_from_a_projection_in_place():
     generator = torch.Generator().manual_seed(5)
     batch, seq, heads, head_dim = 2, 5, 3, 16
     projected = torch.randn(batch, seq, 2 * heads * head_dim + 7, generator=generator, requires_grad=True)
-    gate = projected[..., heads * head_dim + 3 : 2 * heads * head_dim + 3].reshape(batch, seq, heads, head_dim)
+    gate = projected[..., heads * head_dim + 3 : 2 * heads * head_dim + 3].reshape(
+        batch, seq, heads, head_dim
+    )
     x = torch.randn(batch, seq, heads, head_dim, generator=generator, requires_grad=True)
     weight = _weight(head_dim, True, generator)
     dy = torch.randn(x.shape, generator=generator)
