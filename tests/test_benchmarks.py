@@ -289,3 +289,19 @@ def test_kernel_lines_show_the_longest_kernels_and_sum_the_rest():
     assert lines[2].split() == ["3.000", "30.0%", "scan"]
     assert lines[3].split() == ["1.000", "10.0%", "2", "other", "kernels"]
     assert len(kernel_lines({"gemm": 6.0}, top=2)) == 2
+
+
+def test_live_bytes_counts_a_storage_until_it_dies():
+    """A view adds nothing and keeps its storage counted; a freed storage leaves the count."""
+    from benchmarks.live_bytes import LiveBytes
+
+    with LiveBytes() as counter:
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(500, dtype=torch.uint8)
+        view = a[10:]
+        del a
+        c = torch.empty(200, dtype=torch.uint8)
+        del view, b
+        d = torch.empty(300, dtype=torch.uint8)
+    assert (counter.peak, counter.now) == (1700, 500)
+    assert c.numel() + d.numel() == 500
