@@ -223,12 +223,17 @@ def test_gated_rms_norm_matches_reference(layout, hidden, weight_grad):
     weight = _weight(hidden, weight_grad, generator)
     dy = _gradient(x, layout, generator)
     leaves = [x_leaf, gate_leaf, weight] if weight_grad else [x_leaf, gate_leaf]
+    _assert_gated_matches_reference(x, gate, weight, leaves, dy)
 
-    out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
+
+def _assert_gated_matches_reference(x, gate, weight, leaves, dy, saved=None):
+    """The kernel's output and gradients against the reference's; `saved` collects what it saves."""
+    keep = (lambda t: saved.append(t) or t) if saved is not None else (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
     ref_out, ref_grads = _outputs_and_grads(
         lambda: gated_rms_norm_reference(x, gate, weight, EPS), leaves, (dy,)
     )
-
     assert out[0].grad_fn.name().startswith(GatedRMSNormFunction.__name__)
     _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
     _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
@@ -249,14 +254,7 @@ def test_gated_rms_norm_reads_a_gate_sliced_from_a_projection_in_place():
     dy = torch.randn(x.shape, generator=generator)
     leaves = [x, projected, weight]
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out, grads = _outputs_and_grads(lambda: gated_rms_norm(x, gate, weight, EPS), leaves, (dy,))
-    ref_out, ref_grads = _outputs_and_grads(
-        lambda: gated_rms_norm_reference(x, gate, weight, EPS), leaves, (dy,)
-    )
-    assert out[0].grad_fn.name().startswith(GatedRMSNormFunction.__name__)
-    _assert_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
-    _assert_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+    _assert_gated_matches_reference(x, gate, weight, leaves, dy, saved)
     inputs = {t.untyped_storage().data_ptr() for t in (x, projected, weight)}
     copies = [t.shape for t in saved if t.untyped_storage().data_ptr() not in inputs]
     assert copies == [(batch * seq * heads,)]  # the fp32 inverse RMS a row, nothing else
