@@ -273,10 +273,12 @@ def moe_launches(experts: int = 256, hidden: int = 2048, inter: int = 512, token
 
 
 def rmsnorm_launches(k_heads: int, v_heads: int, k_dim: int, v_dim: int, hidden: int = 4096) -> list[Launch]:
-    """The Gated DeltaNet's gated norm over each value head, and a layer's norm over the hidden size,
-    forward and backward."""
-    heads = BATCH * SEQ * v_heads
-    gated = (_meta(heads, v_dim), _meta(heads, v_dim))
+    """The Gated DeltaNet's gated norm over each value head (its gate z read in place from in_proj's
+    output), and a layer's norm over the hidden size, forward and backward."""
+    conv = 2 * k_heads * k_dim + v_heads * v_dim
+    projected = _meta(BATCH * SEQ, conv + v_heads * v_dim + 2 * v_heads)
+    z = projected[:, conv : conv + v_heads * v_dim].view(BATCH * SEQ, v_heads, v_dim)
+    gated = (_meta(BATCH * SEQ * v_heads, v_dim), z)
     layer = _meta(BATCH * SEQ, hidden)
     with recorded_launches() as launches:
         for x, gate in (gated, (layer, None)):
