@@ -5,6 +5,8 @@ inside each qlora function.
 Usage: python -m benchmarks.live_bytes SHAPE [--layers 1] [--tokens 1024] [--set KEY=JSON ...]
        [--mlp-slices 7] [--top 12]
 
+It also lists what is alive at the peak, summed by the function that made each tensor.
+
 SHAPE is a benchmark shape (benchmarks/shapes.py), usually scaled down with --set (hidden_size=256
 ...), since every op runs on the CPU with its Triton kernel interpreted, in bf16, every layer
 recomputed. --mlp-slices sets the MLP's slice to a share of the row, as a long row has it on the
@@ -29,16 +31,18 @@ OUR_PACKAGES = ("/qlora_cli/", "/kernels/")
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops made that are still alive: now, at the peak, and the most reached
-    within each of our functions (the innermost on the stack when an op allocated)."""
+    within each of our functions (the innermost on the stack when an op allocated); `at_peak` holds
+    what was alive at the peak, summed by the function that made it."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, tuple[int, str]] = {}
         self.now = self.peak = 0
         self.by_function: dict[str, int] = {}
+        self.at_peak: dict[str, int] = {}
 
     def _freed(self, key: int) -> None:
-        self.now -= self.live.pop(key)
+        self.now -= self.live.pop(key)[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -49,12 +53,16 @@ class LiveBytes(TorchDispatchMode):
             key = storage.data_ptr()
             if key in self.live or storage.nbytes() == 0:
                 continue
-            self.live[key] = storage.nbytes()
+            where = _innermost_function()
+            self.live[key] = storage.nbytes(), where
             self.now += storage.nbytes()
             weakref.finalize(storage, self._freed, key)
-            self.peak = max(self.peak, self.now)
-            where = _innermost_function()
             self.by_function[where] = max(self.by_function.get(where, 0), self.now)
+            if self.now > self.peak:
+                self.peak = self.now
+                self.at_peak = {}
+                for nbytes, maker in self.live.values():
+                    self.at_peak[maker] = self.at_peak.get(maker, 0) + nbytes
         return out
 
 
@@ -107,8 +115,12 @@ def main() -> None:
     print(
         f"{args.tokens} tokens, hidden {spec.hidden_size}: peak {counter.peak / row:.2f} rows of hidden_size a token"
     )
+    print("the most reached inside each function:")
     for where, most in sorted(counter.by_function.items(), key=lambda item: -item[1])[: args.top]:
         print(f"{most / row:8.2f}  {where}")
+    print("alive at the peak, by the function that made it:")
+    for maker, nbytes in sorted(counter.at_peak.items(), key=lambda item: -item[1])[: args.top]:
+        print(f"{nbytes / row:8.2f}  {maker}")
 
 
 if __name__ == "__main__":
