@@ -46,12 +46,18 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place op returns an input's storage: counted already, or made before.
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if key in self.live or storage.nbytes() == 0:
+            if key in self.live or key in inputs or storage.nbytes() == 0:
                 continue
             where = _innermost_function()
             self.live[key] = storage.nbytes(), where

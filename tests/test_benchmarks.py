@@ -292,10 +292,13 @@ def test_kernel_lines_show_the_longest_kernels_and_sum_the_rest():
 
 
 def test_live_bytes_counts_a_storage_until_it_dies():
-    """A view adds nothing and keeps its storage counted; a freed storage leaves the count."""
+    """A view adds nothing and keeps its storage counted; a freed storage leaves the count; a view of
+    a tensor made before, or an op in place on it, counts nothing."""
     from benchmarks.live_bytes import LiveBytes
 
+    before = torch.zeros(4000, dtype=torch.uint8)
     with LiveBytes() as counter:
+        before.view(40, 100).t().add_(1)
         a = torch.empty(1000, dtype=torch.uint8)
         b = torch.empty(500, dtype=torch.uint8)
         view = a[10:]
