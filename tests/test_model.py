@@ -32,6 +32,15 @@ def _tokens(vocab: int, batch: int = 2, seq: int = 19) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
+def _three_documents(vocab: int):
+    """Three documents of 5, 9 and 4 tokens, and the positions and doc_ids of the row packing them."""
+    lengths = [5, 9, 4]
+    docs = [_tokens(vocab, batch=1, seq=n).roll(i, dims=1) for i, n in enumerate(lengths)]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    doc_ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
+    return docs, positions, doc_ids
+
+
 def test_logits_match_transformers(checkpoint, reference_ops):
     kind, folder = checkpoint
     ours = QLoRAModel.from_pretrained(folder, quantize=False).eval()
@@ -120,11 +129,8 @@ def test_packed_documents_do_not_see_each_other(checkpoint, backend):
     """A row packing three documents gives each the logits it gets alone: attention and RoPE restart."""
     kind, folder = checkpoint
     model = QLoRAModel.from_pretrained(folder, quantize=False, attention_backend=backend).eval()
-    lengths = [5, 9, 4]
-    docs = [_tokens(model.spec.vocab_size, batch=1, seq=n).roll(i, dims=1) for i, n in enumerate(lengths)]
+    docs, positions, doc_ids = _three_documents(model.spec.vocab_size)
     packed = torch.cat(docs, dim=1)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    doc_ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
     with torch.no_grad():
         together = model(packed, positions, doc_ids)
         alone = torch.cat([model(doc) for doc in docs], dim=1)
@@ -139,11 +145,8 @@ def test_packed_documents_train_as_they_would_alone(checkpoint):
     model = QLoRAModel.from_pretrained(folder, lora=LoRAConfig(r=4), checkpoint_layers=2).train()
     for b in (b for layer in model.layers for g in layer.projections.values() for b in g.lora_B.values()):
         torch.nn.init.normal_(b, std=0.02, generator=torch.Generator().manual_seed(b.numel()))
-    lengths = [5, 9, 4]
-    docs = [_tokens(model.spec.vocab_size, batch=1, seq=n).roll(i, dims=1) for i, n in enumerate(lengths)]
+    docs, positions, doc_ids = _three_documents(model.spec.vocab_size)
     labels = [doc.roll(-1, dims=1).index_fill(1, torch.tensor([doc.shape[1] - 1]), -100) for doc in docs]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    doc_ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
     params = model.trainable_parameters()
 
     def loss_and_grads(rows):
